@@ -1,0 +1,25 @@
+"""CUDA graphs for PyTorch Lightning training, rolled out in safe stages.
+
+Importing the package registers the strategy names ``cudagraph``, ``cudagraph_attn``, ``cudagraph_mlp``,
+``cudagraph_attn_mlp``, ``cudagraph_layer``, ``cudagraph_full``, ``ddp_cudagraph`` and ``ddp_cudagraph_full``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from lightning_cudagraph.callback import CUDAGraphCallback
+from lightning_cudagraph.health import CUDAGraphReport, Stage
+from lightning_cudagraph.strategy import CUDAGraphStrategy, DDPCUDAGraphStrategy
+
+try:
+    __version__ = version("lightning-cudagraph")
+except PackageNotFoundError:  # running from a checkout without installing
+    __version__ = "0.1.0"
+
+__all__ = [
+    "CUDAGraphCallback",
+    "CUDAGraphReport",
+    "CUDAGraphStrategy",
+    "DDPCUDAGraphStrategy",
+    "Stage",
+    "__version__",
+]

@@ -1,0 +1,160 @@
+"""The Lightning callback of the staged rollout.
+
+Thin Lightning hooks that hand each event to the staged rollout (:mod:`lightning_cudagraph.rollout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_cudagraph.config import AUTO, CUDAGraphConfig
+from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.rollout import Rollout
+
+
+class CUDAGraphCallback(Callback):
+    r"""Train with CUDA graphs, rolled out in stages so a graph is trusted only once it is shown to be right.
+
+    After ``warmup_steps`` eager optimizer steps (which record every target's input signature and the eager step
+    time), the target modules are captured into CUDA graphs in execution order, sharing one memory pool. The first
+    ``confirm_steps`` steps after capture are checked: the graphs ran, a graphed forward matches the eager forward
+    on the same inputs, parameters and buffers are still the tensors that were captured, the backward order fits
+    the shared pool, losses are finite, the pool fits ``max_pool_mib``. Then the graphs replay with no host sync
+    per step. Any failed check rolls back to eager training, loudly (``on_failure="eager"``), or raises
+    (``on_failure="raise"``). Graphs are released on fit end, on early stopping and on every exception (Ctrl-C
+    included), after which the model is exactly as it was.
+
+    Logged Metrics (through every logger of the Trainer, every ``log_every_n_steps``, rank zero):
+        ``cudagraph/stage`` (0 eager warmup, 1 confirming, 2 replaying, -1 rolled back or disabled),
+        ``cudagraph/graphs``, ``cudagraph/replays``, ``cudagraph/fallbacks``, ``cudagraph/capture_ms``,
+        ``cudagraph/pool_mib``, ``cudagraph/step_ms``, ``cudagraph/eager_step_ms``, ``cudagraph/speedup``,
+        ``cudagraph/parity_err``, ``cudagraph/rollbacks``. The same figures, and the reasons behind fallbacks and
+        rollbacks, are in :attr:`report`.
+
+    Args:
+        impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
+            ``"none"`` (everything off).
+        scope: ``"auto"`` (the narrowest of attn, mlp, layer that finds modules), or a list from
+            ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of
+            ``modules``. ``full_iteration`` captures the whole training step and needs
+            :class:`~lightning_cudagraph.CUDAGraphStrategy`.
+        warmup_steps: Eager optimizer steps before capture (at least one step always runs eagerly).
+        modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on
+            qualified module names (``"blocks.*.attn"``), an ``nn.Module`` subclass, or a predicate
+            ``(name, module) -> bool``; or a list of these.
+        on_shape_change: What a batch of another shape does after capture: ``"eager"`` (that step runs eagerly,
+            counted), ``"recapture"`` (a second sighting is captured, up to ``max_graphs`` graph sets) or
+            ``"error"``.
+        on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
+        max_graphs: Most graph sets (input signatures) kept with ``on_shape_change="recapture"``.
+        confirm_steps: Steps after capture that are checked before the graphs are trusted.
+        parity_tol: Largest relative difference allowed between graphed and eager forwards; by default 1e-4 in
+            float32 and 2e-2 under autocast.
+        max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
+
+    Raises:
+        ValueError: On an option or combination that cannot work, naming the value, what is allowed and the fix.
+
+    Example::
+
+        >>> import lightning.pytorch as pl
+        >>> from lightning_cudagraph import CUDAGraphCallback
+        >>> callback = CUDAGraphCallback(scope=["attn", "mlp"], warmup_steps=3)
+        >>> trainer = pl.Trainer(callbacks=[callback], max_steps=10, logger=False, enable_checkpointing=False)
+        >>> callback.report.stage  # after trainer.fit(...): Stage.REPLAYING on a GPU, Stage.DISABLED on a CPU
+        <Stage.WARMUP: 0>
+    """
+
+    def __init__(
+        self,
+        impl: Literal["none", "local", "transformer_engine"] = "local",
+        scope: str | Sequence[str] = AUTO,
+        warmup_steps: int = 3,
+        modules: Mapping[str, Any] | None = None,
+        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
+        on_failure: Literal["eager", "raise"] = "eager",
+        max_graphs: int = 4,
+        confirm_steps: int = 2,
+        parity_tol: float | None = None,
+        max_pool_mib: float | None = None,
+    ) -> None:
+        self.config = CUDAGraphConfig.from_options(
+            type(self).__name__,
+            impl=impl,
+            scope=scope,
+            warmup_steps=warmup_steps,
+            modules=modules,
+            on_shape_change=on_shape_change,
+            on_failure=on_failure,
+            max_graphs=max_graphs,
+            confirm_steps=confirm_steps,
+            parity_tol=parity_tol,
+            max_pool_mib=max_pool_mib,
+        )
+        self.rollout = Rollout(self.config, type(self).__name__)
+
+    @property
+    def report(self) -> CUDAGraphReport:
+        """What the rollout measured and decided (stage, counters, timings, reasons)."""
+        return self.rollout.report
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(scope=list(self.config.scope), impl=self.config.impl)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.rollout = Rollout(self.config, type(self).__name__)  # each fit starts fresh; resume restores counters
+            self.rollout.setup(trainer, pl_module)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rollout.fit_start(trainer)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rollout.train_start(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.rollout.batch_start(trainer, batch)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.rollout.batch_end(trainer, pl_module, outputs)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rollout.flush(trainer)
+        self.rollout.release()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.rollout.release()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rollout.release()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.rollout.release()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"report": self.rollout.report.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rollout.report.load_state_dict(state_dict.get("report", {}))

@@ -1,0 +1,1 @@
+"""Graph mechanics: scoped regions (``local``), whole steps (``full``), Transformer Engine (``te``), their owner."""

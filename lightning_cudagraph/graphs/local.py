@@ -1,0 +1,262 @@
+"""Scoped capture with PyTorch's own graphs: one forward and one backward ``torch.cuda.CUDAGraph`` per region.
+
+This follows the recipe of ``torch.cuda.make_graphed_callables`` (warm up, capture forwards in execution order,
+capture backwards in reverse order, all in one pool) with what a training framework needs on top:
+
+- capture on the caller's stream (the stream the eager steps ran on, so autograd never syncs a stale stream);
+- keyword and constant arguments, and arguments that are the same tensor, through the call's signature;
+- every graph kept, so release can ``reset()`` each one;
+- parameter gradients handed to autograd as views of the graph's buffers (no copy per step); with gradient
+  accumulation, :meth:`GraphedRegion.detach_accumulated_grads` moves them out before the next replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.utils import _pytree as pytree
+
+from lightning_cudagraph.signature import CallSignature, distinct_tensors, rebuild_call
+
+
+@dataclass
+class RecordedCall:
+    """A target's call seen during eager warmup: how to run it, what it was called with, and its signature."""
+
+    name: str
+    module: torch.nn.Module
+    forward: Callable[..., Any]
+    signature: CallSignature
+    samples: list[Tensor]
+
+
+@dataclass(eq=False)
+class GraphedRegion:
+    """A captured region: replay its forward graph in a forward pass and its backward graph in the backward pass."""
+
+    name: str
+    module: torch.nn.Module
+    signature: CallSignature
+    params: tuple[Tensor, ...]
+    static_inputs: tuple[Tensor, ...]
+    static_outputs: tuple[Tensor, ...]
+    output_leaves: list[Any]
+    output_spec: pytree.TreeSpec
+    output_positions: tuple[int, ...]
+    differentiable: tuple[bool, ...]
+    static_grad_outputs: tuple[Tensor | None, ...] = ()
+    static_grad_inputs: tuple[Tensor | None, ...] = ()
+    fwd_graph: torch.cuda.CUDAGraph | None = None
+    bwd_graph: torch.cuda.CUDAGraph | None = None
+    on_backward: Callable[[GraphedRegion], None] | None = None
+    addresses: dict[str, int] = field(default_factory=dict)
+    fast: Any = None
+    parity_checked: bool = False
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Replay the region for a call whose signature matched, rebuilding the module's output structure."""
+        inputs = distinct_tensors(self.signature, args, kwargs)
+        outputs = _GraphedCall.apply(self, *inputs, *self.params)
+        return self._rebuild_output(outputs)
+
+    def replay_forward_detached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """Replay only the forward graph, outside autograd, and return copies of its tensor outputs."""
+        with torch.no_grad():
+            self._copy_inputs(distinct_tensors(self.signature, args, kwargs))
+            self.fwd_graph.replay()
+            return [out.clone() for out in self.static_outputs]
+
+    def detach_accumulated_grads(self) -> None:
+        """Give parameters whose ``.grad`` is this region's gradient buffer a copy, before the buffer is rewritten.
+
+        Autograd adopts the returned gradient buffer as ``param.grad`` when ``grad`` is ``None``; the next backward
+        replay would overwrite it, so with gradient accumulation the adopted buffer is copied out first.
+        """
+        for param, buffer in zip(self.params, self.static_grad_inputs[len(self.static_inputs) :], strict=True):
+            grad = param.grad
+            if grad is not None and buffer is not None and grad.data_ptr() == buffer.data_ptr():
+                param.grad = grad.clone()
+
+    def reset(self) -> None:
+        """Free both graphs and every static buffer of the region."""
+        for graph in (self.fwd_graph, self.bwd_graph):
+            if graph is not None:
+                graph.reset()
+        self.fwd_graph = self.bwd_graph = None
+        self.static_inputs = self.static_outputs = self.static_grad_outputs = self.static_grad_inputs = ()
+        self.params = ()
+        self.output_leaves = []
+
+    def _copy_inputs(self, inputs: Sequence[Tensor]) -> None:
+        for static, live in zip(self.static_inputs, inputs, strict=True):
+            if static.data_ptr() != live.data_ptr():
+                static.copy_(live)
+
+    def _rebuild_output(self, outputs: Sequence[Tensor]) -> Any:
+        leaves = list(self.output_leaves)
+        for position, tensor in zip(self.output_positions, outputs, strict=True):
+            leaves[position] = tensor
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+
+class _GraphedCall(torch.autograd.Function):
+    """Autograd's view of a region: inputs and trainable parameters in, the forward graph's outputs out."""
+
+    @staticmethod
+    def forward(ctx: Any, region: GraphedRegion, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.region = region
+        region._copy_inputs(inputs[: len(region.static_inputs)])
+        region.fwd_graph.replay()
+        outputs = tuple(out.detach() for out in region.static_outputs)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outputs, region.differentiable, strict=True) if not d))
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        region: GraphedRegion = ctx.region
+        if region.on_backward is not None:
+            region.on_backward(region)
+        for static, grad in zip(region.static_grad_outputs, grads, strict=True):
+            if static is None:
+                continue
+            if grad is None:
+                static.zero_()
+            elif static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        if region.bwd_graph is not None:
+            region.bwd_graph.replay()
+        return (None, *(g.detach() if g is not None else None for g in region.static_grad_inputs))
+
+
+def capture_regions(
+    calls: Sequence[RecordedCall],
+    *,
+    pool: Any,
+    stream: torch.cuda.Stream,
+    warmup_iters: int = 3,
+) -> list[GraphedRegion]:
+    """Capture the given calls, in their execution order, into one memory pool on ``stream``.
+
+    The caller owns what warmup and capture disturb (RNG state, module buffers) and restores it afterwards; the
+    returned regions own their graphs. On an exception, every graph captured so far is reset before re-raising.
+
+    Args:
+        calls: The calls as recorded during the last eager step, in execution order.
+        pool: A handle from ``torch.cuda.graph_pool_handle()`` shared by all graphs.
+        stream: The stream to warm up and capture on.
+        warmup_iters: Eager forward-backward iterations per call before capture.
+    """
+    regions: list[GraphedRegion] = []
+    try:
+        with torch.cuda.stream(stream), torch.enable_grad():
+            functions = [_functional(call) for call in calls]
+            surfaces = [_input_surface(call) for call in calls]
+            for call, fn, surface in zip(calls, functions, surfaces, strict=True):
+                with _autocast_of(call.signature):
+                    for _ in range(warmup_iters):
+                        outputs, _ = fn(*call.samples)
+                        _grads_of(outputs, surface, None)
+            torch.cuda.current_stream().synchronize()
+            for call, fn, surface in zip(calls, functions, surfaces, strict=True):
+                regions.append(_capture_forward(call, fn, surface, pool, stream))
+            for region, surface in zip(reversed(regions), reversed(surfaces), strict=True):
+                _capture_backward(region, surface, pool, stream)
+    except BaseException:
+        for region in regions:
+            region.reset()
+        raise
+    return regions
+
+
+def _functional(call: RecordedCall) -> Callable[..., tuple[tuple[Tensor, ...], tuple[Any, pytree.TreeSpec]]]:
+    """Wrap a call as ``fn(*distinct_tensors) -> (tensor outputs, (all output leaves, spec))``."""
+
+    def run(*tensors: Tensor) -> tuple[tuple[Tensor, ...], tuple[Any, pytree.TreeSpec]]:
+        args, kwargs = rebuild_call(call.signature, tensors)
+        leaves, spec = pytree.tree_flatten(call.forward(*args, **kwargs))
+        return tuple(leaf for leaf in leaves if isinstance(leaf, Tensor)), (leaves, spec)
+
+    return run
+
+
+def _input_surface(call: RecordedCall) -> tuple[Tensor, ...]:
+    params = tuple(p for p in call.module.parameters() if p.requires_grad)
+    return (*call.samples, *params)
+
+
+def _grads_of(
+    outputs: Sequence[Tensor], surface: Sequence[Tensor], grad_outputs: Sequence[Tensor] | None
+) -> tuple[Tensor | None, ...] | None:
+    needing = [o for o in outputs if o.requires_grad]
+    inputs = [t for t in surface if t.requires_grad]
+    if not needing or not inputs:
+        return None
+    if grad_outputs is None:
+        grad_outputs = [torch.zeros_like(o) for o in needing]
+    return torch.autograd.grad(needing, inputs, grad_outputs=list(grad_outputs), allow_unused=True)
+
+
+def _capture_forward(
+    call: RecordedCall, fn: Callable[..., Any], surface: tuple[Tensor, ...], pool: Any, stream: torch.cuda.Stream
+) -> GraphedRegion:
+    graph = torch.cuda.CUDAGraph()
+    with (
+        _autocast_of(call.signature),
+        torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
+    ):
+        outputs, (leaves, spec) = fn(*call.samples)
+    positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor))
+    template = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    return GraphedRegion(
+        name=call.name,
+        module=call.module,
+        signature=call.signature,
+        params=surface[len(call.samples) :],
+        static_inputs=tuple(call.samples),
+        static_outputs=outputs,
+        output_leaves=template,
+        output_spec=spec,
+        output_positions=positions,
+        differentiable=tuple(o.requires_grad for o in outputs),
+        fwd_graph=graph,
+        addresses=tensor_addresses(call.module),
+    )
+
+
+def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: Any, stream: torch.cuda.Stream) -> None:
+    grad_outputs = tuple(
+        torch.empty_like(o) if d else None for o, d in zip(region.static_outputs, region.differentiable, strict=True)
+    )
+    region.static_grad_outputs = grad_outputs
+    region.static_grad_inputs = tuple(None for _ in surface)
+    if not any(region.differentiable) or not any(t.requires_grad for t in surface):
+        return  # nothing flows back through this region: no backward graph
+    graph = torch.cuda.CUDAGraph()
+    with (
+        _autocast_of(region.signature),
+        torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
+    ):
+        grads = _grads_of(region.static_outputs, surface, [g for g in grad_outputs if g is not None])
+    grads_iter = iter(grads)
+    region.static_grad_inputs = tuple(next(grads_iter) if t.requires_grad else None for t in surface)
+    region.bwd_graph = graph
+
+
+def tensor_addresses(module: torch.nn.Module) -> dict[str, int]:
+    """Data pointers of a module's parameters and buffers, by qualified name (what its graphs read)."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return {name: tensor.data_ptr() for name, tensor in named}
+
+
+def _autocast_of(signature: CallSignature) -> Any:
+    enabled, dtype = signature.autocast
+    if not enabled:
+        return nullcontext()
+    return torch.autocast("cuda", dtype=dtype, cache_enabled=False)

@@ -1,0 +1,183 @@
+"""Replay health: counters, step timing without per-step host syncs, the report, and logging.
+
+Counters are plain Python integers bumped on the host. Step times come from CUDA events recorded at batch start
+and end and read once per log interval (one sync per interval, none per step).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+METRIC_PREFIX = "cudagraph/"
+
+
+class Stage(IntEnum):
+    """Where the rollout is; logged as ``cudagraph/stage``."""
+
+    DISABLED = -1  #: rolled back, or never enabled (see the report's ``reason``)
+    WARMUP = 0  #: eager steps that record input signatures and the eager step time
+    CONFIRMING = 1  #: first replays, checked before they are trusted
+    REPLAYING = 2  #: steady state
+
+
+@dataclass
+class CUDAGraphReport:
+    """Everything the rollout measured and decided, readable in code as ``callback.report``.
+
+    Attributes:
+        stage: The current :class:`Stage`.
+        reason: Why graphs are off (``no_cuda``, ``impl_none``, ``no_targets``, ``shape_unstable: ...``,
+            ``rollback: ...``), or ``None``.
+        scopes: Modules found per scope (before nested matches were folded into their enclosing region).
+        graphs: Captured regions alive now (a forward/backward pair counts once; a whole step counts once).
+        replays: Forward graph replays (a whole-step replay counts once).
+        fallbacks: Calls (scoped) or steps (full_iteration) that ran eagerly while graphs were in use.
+        fallback_reasons: ``fallbacks`` broken down by reason.
+        rollbacks: Times the rollout gave graphs up and returned to eager.
+        rollback_reasons: The reason of each rollback, in order.
+        captures: Graph sets captured (one per input signature).
+        capture_ms: Host time of the last capture, warmup included.
+        pool_mib: Memory held by the graphs' shared pool.
+        step_ms: Median step time over the last log interval.
+        eager_step_ms: Median eager step time during warmup (first step excluded).
+        parity_err: Largest relative difference between a graphed forward and the eager forward on the same
+            inputs, measured during confirmation.
+        memory_before_capture: ``torch.cuda.memory_allocated()`` right before the first capture, in bytes.
+        nonfinite: Non-finite losses seen, as ``(first step, count)`` per detection.
+    """
+
+    stage: Stage = Stage.WARMUP
+    reason: str | None = None
+    scopes: dict[str, list[str]] = field(default_factory=dict)
+    graphs: int = 0
+    replays: int = 0
+    fallbacks: int = 0
+    fallback_reasons: Counter[str] = field(default_factory=Counter)
+    rollbacks: int = 0
+    rollback_reasons: list[str] = field(default_factory=list)
+    captures: int = 0
+    capture_ms: float = math.nan
+    pool_mib: float = 0.0
+    step_ms: float = math.nan
+    eager_step_ms: float = math.nan
+    parity_err: float = math.nan
+    memory_before_capture: int | None = None
+    nonfinite: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        """Eager step time over graphed step time (``nan`` until both are measured)."""
+        if self.stage < Stage.CONFIRMING or not self.step_ms > 0:
+            return math.nan
+        return self.eager_step_ms / self.step_ms
+
+    def count_fallback(self, reason: str, count: int = 1) -> None:
+        """Count calls or steps that ran eagerly although graphs were in use."""
+        self.fallbacks += count
+        self.fallback_reasons[reason] += count
+
+    def metrics(self) -> dict[str, float]:
+        """The logged metrics, as plain floats; values not measured yet are left out."""
+        values = {
+            "stage": float(self.stage),
+            "graphs": float(self.graphs),
+            "replays": float(self.replays),
+            "fallbacks": float(self.fallbacks),
+            "rollbacks": float(self.rollbacks),
+            "capture_ms": self.capture_ms,
+            "pool_mib": self.pool_mib,
+            "step_ms": self.step_ms,
+            "eager_step_ms": self.eager_step_ms,
+            "speedup": self.speedup,
+            "parity_err": self.parity_err,
+        }
+        return {METRIC_PREFIX + key: value for key, value in values.items() if not math.isnan(value)}
+
+    def state_dict(self) -> dict[str, object]:
+        """Counters that survive a checkpoint (graphs themselves never do)."""
+        return {
+            "replays": self.replays,
+            "fallbacks": self.fallbacks,
+            "fallback_reasons": dict(self.fallback_reasons),
+            "rollbacks": self.rollbacks,
+            "rollback_reasons": list(self.rollback_reasons),
+            "captures": self.captures,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore the counters of :meth:`state_dict`."""
+        self.replays = int(state.get("replays", 0))
+        self.fallbacks = int(state.get("fallbacks", 0))
+        self.fallback_reasons = Counter(state.get("fallback_reasons", {}))
+        self.rollbacks = int(state.get("rollbacks", 0))
+        self.rollback_reasons = list(state.get("rollback_reasons", []))
+        self.captures = int(state.get("captures", 0))
+
+
+class StepTimer:
+    """Step times from CUDA events recorded on the current stream, read in bulk (or host time without CUDA)."""
+
+    def __init__(self, use_cuda: bool, capacity: int = 256) -> None:
+        self._use_cuda = use_cuda
+        self._capacity = capacity
+        self._pending: list[tuple[object, object]] = []
+        self._open: object | None = None
+        self._free: list[torch.cuda.Event] = []
+
+    def start(self) -> None:
+        """Mark the start of a step."""
+        self._open = self._mark()
+
+    def stop(self) -> None:
+        """Mark the end of the step started last."""
+        if self._open is None:
+            return
+        self._pending.append((self._open, self._mark()))
+        self._open = None
+        if len(self._pending) > self._capacity:
+            self._recycle(self._pending.pop(0))
+
+    def read(self) -> list[float]:
+        """Milliseconds of every step since the last read (one host sync on CUDA)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        if not self._use_cuda:
+            return [(end - begin) * 1e3 for begin, end in pending]
+        pending[-1][1].synchronize()
+        times = [begin.elapsed_time(end) for begin, end in pending]
+        for pair in pending:
+            self._recycle(pair)
+        return times
+
+    def _mark(self) -> object:
+        if not self._use_cuda:
+            return time.perf_counter()
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _recycle(self, pair: tuple[object, object]) -> None:
+        if self._use_cuda:
+            self._free.extend(pair)
+
+
+def median(values: list[float]) -> float:
+    """The median, or ``nan`` for no values."""
+    return statistics.median(values) if values else math.nan
+
+
+@rank_zero_only
+def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """Send plain floats to every logger of the Trainer (TensorBoard, CSV, MLflow, W&B, ...), on rank zero."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)

@@ -1,0 +1,88 @@
+"""Stash and restore module hooks around a capture.
+
+A hook that runs while a graph is being captured would either break the capture (a host sync) or be baked into
+it (run on every replay, with capture-time Python state). So the hooks of every module inside a captured region,
+and the global module hooks, are taken out for the capture and put back afterwards. The same ``OrderedDict``
+objects are cleared and refilled, so every ``RemovableHandle`` a user holds stays valid.
+
+The captured module's own hooks are not touched by a capture: its forward is called directly while capturing, and
+after capture ``module(x)`` still runs its forward pre-hooks and forward hooks eagerly around the replay. Hooks of
+the modules *inside* a region ran during eager warmup only; :func:`inner_hook_count` lets the rollout say so.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch.nn as nn
+from torch.nn.modules import module as module_globals
+
+#: Per-module hook dictionaries that fire during forward or backward.
+MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+#: Process-wide hook dictionaries registered with ``torch.nn.modules.module.register_module_*_hook``.
+GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+@contextmanager
+def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> Iterator[None]:
+    """Empty the hook dicts of the given modules, their submodules and the global hooks; refill them on exit.
+
+    Args:
+        regions: Root modules of the captured regions.
+        include_roots: Also stash the roots' own hooks (the roots are usually called through ``forward`` directly,
+            which skips them anyway).
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> layer = nn.Sequential(nn.Linear(2, 2))
+        >>> handle = layer[0].register_forward_pre_hook(lambda m, a: print("hook"))
+        >>> with hooks_stashed([layer]):
+        ...     _ = layer(torch.ones(1, 2))
+        >>> _ = layer(torch.ones(1, 2))
+        hook
+    """
+    stashed: list[tuple[OrderedDict, OrderedDict]] = []
+    try:
+        for root in regions:
+            for module in root.modules():
+                if module is root and not include_roots:
+                    continue
+                stashed.extend(_take(getattr(module, name)) for name in MODULE_HOOK_DICTS if hasattr(module, name))
+        stashed.extend(_take(getattr(module_globals, name)) for name in GLOBAL_HOOK_DICTS)
+        yield
+    finally:
+        for live, saved in stashed:
+            live.update(saved)
+
+
+def inner_hook_count(region: nn.Module) -> int:
+    """Hooks on modules strictly inside ``region``: they do not fire while the region replays as a graph."""
+    return sum(
+        len(getattr(module, name, ()))
+        for module in region.modules()
+        if module is not region
+        for name in MODULE_HOOK_DICTS
+    )
+
+
+def _take(hooks: OrderedDict) -> tuple[OrderedDict, OrderedDict]:
+    saved = OrderedDict(hooks)
+    hooks.clear()
+    return hooks, saved

@@ -1,0 +1,171 @@
+"""Preflight: the configuration checked against the Trainer, the model and the optimizers, before any capture.
+
+Each rule raises ``ValueError`` (component, value, allowed values, fix). The Trainer and model rules run in
+``setup``; the optimizer rules need the optimizers, which Lightning builds in ``strategy.setup``, so they run in
+``on_fit_start``: both before the first training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import (
+    DoublePrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+    TransformerEnginePrecision,
+)
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+
+from lightning_cudagraph.config import CUDAGraphConfig, config_error
+from lightning_cudagraph.graphs.full import CAPTURABLE_OPTIMIZERS
+from lightning_cudagraph.scopes import Target
+
+#: Eager DDP steps NCCL needs before the all-reduce can be captured (PyTorch's CUDA-graph notes).
+DDP_FULL_ITERATION_MIN_WARMUP = 11
+_SUPPORTED_PRECISION = (MixedPrecision, HalfPrecision, DoublePrecision, TransformerEnginePrecision)
+
+
+def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> None:
+    """Strategy, precision and loop settings that graphs cannot work with."""
+    _check_strategy(config, trainer, component)
+    _check_precision(config, trainer, component)
+    if not config.full_iteration:
+        return
+    if getattr(trainer, "_detect_anomaly", False):
+        raise config_error(
+            component,
+            "Trainer(detect_anomaly=...)",
+            True,
+            "detect_anomaly=False with scope=['full_iteration']",
+            "anomaly mode checks every backward output on the host; turn it off, or use a scoped capture",
+        )
+    if trainer.accumulate_grad_batches > 1:
+        raise config_error(
+            component,
+            "Trainer(accumulate_grad_batches=...)",
+            trainer.accumulate_grad_batches,
+            "1 with scope=['full_iteration']",
+            "Lightning runs accumulation micro-batches through the closure without calling the strategy's"
+            " optimizer_step, so the whole-step graph cannot contain them; use accumulate_grad_batches=1 with a"
+            " larger batch, or a scoped capture such as scope=['layer'], which supports accumulation",
+        )
+    if not module.automatic_optimization:
+        raise config_error(
+            component,
+            "automatic_optimization",
+            False,
+            "automatic optimization with scope=['full_iteration']",
+            "use a scoped capture (scope=['layer'] or ['attn', 'mlp']) with manual optimization",
+        )
+
+
+def check_targets(targets: Sequence[Target], component: str) -> None:
+    """Refuse activation checkpointing inside a captured region (its recompute would replay into the graph)."""
+    for target in targets:
+        for name, module in target.module.named_modules():
+            wrapped = type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module")
+            if wrapped or getattr(module, "gradient_checkpointing", False) is True:
+                where = f"{target.name}.{name}" if name else target.name
+                raise config_error(
+                    component,
+                    "scope",
+                    target.scope,
+                    "regions without activation checkpointing",
+                    f"{where} uses activation checkpointing; turn it off for captured modules, or pick a scope"
+                    " that does not contain it",
+                )
+
+
+def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+    """For full_iteration: every optimizer can run its step inside a graph (and under a grad scaler if 16-mixed)."""
+    if not config.full_iteration:
+        return
+    mixed16 = isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.precision == "16-mixed"
+    for optimizer in trainer.optimizers:
+        fused = all(group.get("fused") for group in optimizer.param_groups)
+        if mixed16 and not fused:
+            raise config_error(
+                component,
+                "optimizer",
+                type(optimizer).__name__,
+                "a fused optimizer under precision='16-mixed' with scope=['full_iteration']",
+                "the grad scaler reads found-inf on the host for non-fused optimizers; build it with fused=True"
+                " (e.g. torch.optim.AdamW(..., fused=True)) or use precision='bf16-mixed'",
+            )
+        if not fused and not isinstance(optimizer, CAPTURABLE_OPTIMIZERS):
+            raise config_error(
+                component,
+                "optimizer",
+                type(optimizer).__name__,
+                "torch.optim.Adam, AdamW, SGD, or any optimizer built with fused=True",
+                "use one of those in configure_optimizers, or a scoped capture (the optimizer then stays eager)",
+            )
+        if any(group.get("differentiable") for group in optimizer.param_groups):
+            raise config_error(
+                component, "differentiable", True, "differentiable=False", "build the optimizer without it"
+            )
+
+
+def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+    strategy = trainer.strategy
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)) or not isinstance(
+        strategy, (SingleDeviceStrategy, DDPStrategy)
+    ):
+        offload = getattr(strategy, "cpu_offload", None) or "offload" in str(getattr(strategy, "config", ""))
+        why = "CPU offloading moves parameters between host and device" if offload else "parameters move or reshard"
+        raise config_error(
+            component,
+            "strategy",
+            type(strategy).__name__,
+            "a single-device or DDP strategy (e.g. 'cudagraph', 'ddp_cudagraph')",
+            f"{why} between steps, so a graph would read stale addresses; use DDP, or turn CUDA graphs off",
+        )
+    if config.full_iteration and not getattr(strategy, "supports_full_iteration", False):
+        raise config_error(
+            component,
+            "strategy",
+            type(strategy).__name__,
+            "CUDAGraphStrategy or DDPCUDAGraphStrategy with scope=['full_iteration']",
+            "pass Trainer(strategy='cudagraph_full') (or 'ddp_cudagraph_full'): the whole-step graph needs the"
+            " strategy's batch and optimizer-step hooks",
+        )
+    if (
+        config.full_iteration
+        and isinstance(strategy, DDPStrategy)
+        and config.warmup_steps < DDP_FULL_ITERATION_MIN_WARMUP
+    ):
+        raise config_error(
+            component,
+            "warmup_steps",
+            config.warmup_steps,
+            f">= {DDP_FULL_ITERATION_MIN_WARMUP} when full_iteration runs under DDP",
+            f"pass warmup_steps={DDP_FULL_ITERATION_MIN_WARMUP}: NCCL needs that many eager DDP steps before its"
+            " all-reduce can be captured",
+        )
+
+
+def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+    plugin = trainer.precision_plugin
+    if type(plugin) is not Precision and not isinstance(plugin, _SUPPORTED_PRECISION):
+        raise config_error(
+            component,
+            "precision",
+            getattr(plugin, "precision", type(plugin).__name__),
+            "'32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true', 'transformer-engine'",
+            "pick one of those precisions",
+        )
+    if isinstance(plugin, TransformerEnginePrecision) and config.impl != "transformer_engine":
+        raise config_error(
+            component,
+            "impl",
+            config.impl,
+            "'transformer_engine' with TransformerEnginePrecision",
+            "pass impl='transformer_engine' so graphs capture FP8 with the Trainer's recipe",
+        )
+    if config.full_iteration and isinstance(plugin, TransformerEnginePrecision):
+        raise config_error(
+            component, "scope", list(config.scope), "scoped capture with Transformer Engine", "pass scope=['layer']"
+        )

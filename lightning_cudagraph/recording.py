@@ -1,0 +1,151 @@
+"""Eager stabilization: what each target was called with during warmup, and whether that is stable enough.
+
+During eager steps every call of a target is recorded (its :class:`~lightning_cudagraph.signature.CallSignature`
+and its position in the step). On the steps right before a capture the inputs are also kept, as detached copies,
+to serve as the capture's sample inputs: real data, so a capture never feeds a module values it would not see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_cudagraph.graphs.local import RecordedCall
+from lightning_cudagraph.scopes import Target
+from lightning_cudagraph.signature import (
+    CallSignature,
+    call_signature,
+    describe_change,
+    distinct_tensors,
+    signatures_equal,
+)
+
+
+@dataclass
+class StepRecord:
+    """The target calls of one eager step, in order, and (when kept) their sample inputs."""
+
+    batch: tuple[Any, ...]
+    calls: list[tuple[int, CallSignature]] = field(default_factory=list)
+    samples: dict[int, list[Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class CapturePlan:
+    """The outcome of stabilization: calls to capture in execution order, or why the step is not stable."""
+
+    calls: list[RecordedCall] = field(default_factory=list)
+    unstable: str | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+class WarmupRecorder:
+    """Collects :class:`StepRecord` s while targets run eagerly.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> from lightning_cudagraph.scopes import Target
+        >>> layer = nn.Linear(4, 4)
+        >>> recorder = WarmupRecorder([Target("layer", layer, "layer")])
+        >>> for rows in (8, 8, 5):
+        ...     recorder.begin_step(batch=(), keep_samples=False)
+        ...     x = torch.ones(rows, 4)
+        ...     recorder.record(0, (x,), {})
+        ...     recorder.end_step()
+        >>> print(recorder.plan(set()).unstable)
+        layer: input 0: float32[8, 4] -> float32[5, 4]
+    """
+
+    def __init__(self, targets: Sequence[Target], history: int = 8) -> None:
+        self._targets = list(targets)
+        self._history = history
+        self.steps: list[StepRecord] = []
+        self._current: StepRecord | None = None
+        self._keep_samples = False
+
+    def begin_step(self, batch: tuple[Any, ...], keep_samples: bool) -> None:
+        """Start recording a step whose batch has the given key."""
+        self._current = StepRecord(batch)
+        self._keep_samples = keep_samples
+
+    def record(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Record one call of target ``index``."""
+        if self._current is None:
+            return
+        signature = call_signature(self._targets[index].module, args, kwargs)
+        self._current.calls.append((index, signature))
+        if self._keep_samples:
+            self._current.samples[index] = [_sample_of(t) for t in distinct_tensors(signature, args, kwargs)]
+
+    def end_step(self) -> None:
+        """Close the step (a step with no target call is still kept: it says the targets did not run)."""
+        if self._current is not None:
+            self.steps = [*self.steps[-(self._history - 1) :], self._current]
+        self._current = None
+
+    def last_step_for(self, batch: tuple[Any, ...]) -> StepRecord | None:
+        """The most recent recorded step with samples whose batch had this key."""
+        return next((s for s in reversed(self.steps) if s.batch == batch and s.samples), None)
+
+    def plan(self, excluded: set[int], batch: tuple[Any, ...] | None = None) -> CapturePlan:
+        """Decide what to capture from the recorded steps (all of them, or those with ``batch``'s key).
+
+        A target must have one signature across the steps and run once per step; a target that did not run in
+        the last step, ran more than once, or ran without grad is left eager (``skipped``); any other change of
+        signature makes the whole step unstable (``unstable`` names the module and the change).
+        """
+        steps = [s for s in self.steps if batch is None or s.batch == batch]
+        plan = CapturePlan()
+        if not steps:
+            plan.unstable = "no eager step was recorded"
+            return plan
+        last = steps[-1]
+        for index, target in enumerate(self._targets):
+            if index in excluded:
+                continue
+            signatures = [sig for step in steps for i, sig in step.calls if i == index]
+            per_step = [sum(1 for i, _ in step.calls if i == index) for step in steps]
+            if per_step[-1] == 0:
+                plan.skipped[target.name] = "not called during the last eager step"
+                continue
+            if max(per_step) > 1:
+                plan.skipped[target.name] = f"called {max(per_step)} times in one step (one graph serves one call)"
+                continue
+            first = signatures[0]
+            changed = next((sig for sig in signatures[1:] if not signatures_equal(first, sig)), None)
+            if changed is not None:
+                plan.unstable = f"{target.name}: {describe_change(first, changed)}"
+                return plan
+            if not first.grad_enabled or not first.training:
+                plan.skipped[target.name] = "runs without grad or in eval mode during training steps"
+                continue
+        order = [i for i, _ in last.calls if target_name(self._targets, i) not in plan.skipped and i not in excluded]
+        for index in order:
+            signature = next(sig for i, sig in last.calls if i == index)
+            target = self._targets[index]
+            samples = last.samples.get(index)
+            if samples is None:
+                plan.unstable = f"{target.name}: no sample inputs were kept"
+                return plan
+            plan.calls.append(RecordedCall(target.name, target.module, _original_forward(target), signature, samples))
+        return plan
+
+
+def target_name(targets: Sequence[Target], index: int) -> str:
+    """The qualified name of target ``index``."""
+    return targets[index].name
+
+
+def _original_forward(target: Target) -> Any:
+    forward = target.module.forward
+    return getattr(forward, "original", forward)
+
+
+def _sample_of(tensor: Tensor) -> Tensor:
+    with torch.no_grad():
+        sample = tensor.detach().clone()
+    return sample.requires_grad_(tensor.requires_grad)

@@ -1,0 +1,180 @@
+"""Input signatures: what a graph was captured for, and a readable account of what changed.
+
+A graph replays the exact kernels it recorded, so it is only valid for calls with the same tensor shapes,
+dtypes, ``requires_grad`` flags, constant (non-tensor) arguments, aliasing between arguments, training mode,
+grad mode and autocast state. :class:`CallSignature` holds all of these; :func:`describe_change` says which
+one moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype, device and ``requires_grad`` of one tensor argument."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> TensorSpec:
+        """The spec of ``tensor``."""
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
+
+    def __str__(self) -> str:
+        grad = ", requires_grad" if self.requires_grad else ""
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}{grad}"
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """Everything a captured call depends on besides tensor values.
+
+    ``leaves`` holds a :class:`TensorSpec` per tensor argument and the value itself for any other argument, in
+    pytree order of ``(args, kwargs)``; ``aliases`` maps each tensor leaf to the first leaf holding the same
+    tensor (``attn(x, x, x)``).
+    """
+
+    spec: pytree.TreeSpec
+    leaves: tuple[Any, ...]
+    aliases: tuple[int, ...]
+    training: bool
+    grad_enabled: bool
+    autocast: tuple[bool, torch.dtype | None]
+
+    @property
+    def tensor_positions(self) -> tuple[int, ...]:
+        """Leaf positions that hold distinct tensors (the graph's inputs), in order."""
+        return tuple(i for i, leaf in enumerate(self.leaves) if isinstance(leaf, TensorSpec) and self.aliases[i] == i)
+
+    @property
+    def fast_key(self) -> tuple[tuple[torch.Size, torch.dtype, bool], ...] | None:
+        """For the common call ``module(t0, t1, ...)`` with distinct tensors and no keywords: a cheap key."""
+        if self.spec != _positional_spec(len(self.leaves)) or self.aliases != tuple(range(len(self.leaves))):
+            return None
+        if not all(isinstance(leaf, TensorSpec) for leaf in self.leaves):
+            return None
+        return tuple((torch.Size(leaf.shape), leaf.dtype, leaf.requires_grad) for leaf in self.leaves)
+
+
+def call_signature(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallSignature:
+    """The signature of ``module(*args, **kwargs)`` in the current grad and autocast state."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    first_index: dict[int, int] = {}
+    described, aliases = [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            aliases.append(first_index.setdefault(id(leaf), i))
+            described.append(TensorSpec.of(leaf))
+        else:
+            aliases.append(i)
+            described.append(leaf)
+    return CallSignature(spec, tuple(described), tuple(aliases), module.training, *grad_and_autocast_state())
+
+
+def fast_key(args: tuple[Any, ...]) -> tuple[tuple[torch.Size, torch.dtype, bool], ...] | None:
+    """The cheap key of a positional, tensor-only call (``None`` when the call is not of that form)."""
+    key = []
+    for arg in args:
+        if type(arg) is not Tensor and not isinstance(arg, Tensor):
+            return None
+        key.append((arg.shape, arg.dtype, arg.requires_grad))
+    if len(args) > 1 and len({id(a) for a in args}) != len(args):
+        return None
+    return tuple(key)
+
+
+def grad_and_autocast_state() -> tuple[bool, tuple[bool, torch.dtype | None]]:
+    """Grad mode, and whether CUDA autocast is on and with which dtype."""
+    enabled = torch.is_autocast_enabled("cuda")
+    return torch.is_grad_enabled(), (enabled, torch.get_autocast_dtype("cuda") if enabled else None)
+
+
+def rebuild_call(signature: CallSignature, tensors: Sequence[Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Rebuild ``(args, kwargs)`` from the distinct tensors of a call and the constants of its signature."""
+    leaves: list[Any] = list(signature.leaves)
+    for position, tensor in zip(signature.tensor_positions, tensors, strict=True):
+        leaves[position] = tensor
+    for i, first in enumerate(signature.aliases):
+        if first != i:
+            leaves[i] = leaves[first]
+    args, kwargs = pytree.tree_unflatten(leaves, signature.spec)
+    return args, kwargs
+
+
+def distinct_tensors(signature: CallSignature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The distinct tensor arguments of a call, in the order :func:`rebuild_call` takes them."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [leaves[i] for i in signature.tensor_positions]
+
+
+def describe_change(old: CallSignature, new: CallSignature) -> str:
+    """Say what differs between two signatures, e.g. ``input 0: float32[8, 128] -> float32[5, 128]``."""
+    changes = []
+    if old.training != new.training:
+        changes.append(f"training mode {old.training} -> {new.training}")
+    if old.grad_enabled != new.grad_enabled:
+        changes.append(f"grad mode {old.grad_enabled} -> {new.grad_enabled}")
+    if old.autocast != new.autocast:
+        changes.append(f"autocast {_autocast_str(old.autocast)} -> {_autocast_str(new.autocast)}")
+    if old.spec != new.spec:
+        changes.append("the arguments' structure (positional/keyword layout) changed")
+    else:
+        for i, (a, b) in enumerate(zip(old.leaves, new.leaves, strict=True)):
+            if not _same_leaf(a, b):
+                changes.append(f"input {i}: {a} -> {b}")
+        if old.aliases != new.aliases:
+            changes.append("which arguments are the same tensor changed")
+    return "; ".join(changes) if changes else "no change"
+
+
+def batch_key(batch: Any) -> tuple[Any, ...]:
+    """A hashable key of a batch's tensor shapes and dtypes (values and non-tensor leaves are ignored)."""
+    leaves, spec = pytree.tree_flatten(batch)
+    specs = tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, Tensor) else None for leaf in leaves)
+    return (str(spec), specs)
+
+
+def describe_batch_key(key: tuple[Any, ...]) -> str:
+    """A readable form of :func:`batch_key`, e.g. ``int64[8, 128], int64[8, 128]``."""
+    return ", ".join(f"{str(s[1]).removeprefix('torch.')}{list(s[0])}" for s in key[1] if s is not None)
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if isinstance(a, TensorSpec) or isinstance(b, TensorSpec):
+        return a == b
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except (RuntimeError, TypeError, ValueError):
+        return a is b
+
+
+def _autocast_str(state: tuple[bool, torch.dtype | None]) -> str:
+    return f"on ({str(state[1]).removeprefix('torch.')})" if state[0] else "off"
+
+
+def _positional_spec(n: int) -> pytree.TreeSpec:
+    return pytree.tree_flatten((tuple(range(n)), {}))[1]
+
+
+def signatures_equal(a: CallSignature, b: CallSignature) -> bool:
+    """Whether two calls can share a graph (constants compared by value)."""
+    if (a.spec, a.aliases, a.training, a.grad_enabled, a.autocast) != (
+        b.spec,
+        b.aliases,
+        b.training,
+        b.grad_enabled,
+        b.autocast,
+    ):
+        return False
+    return all(_same_leaf(x, y) for x, y in zip(a.leaves, b.leaves, strict=True))

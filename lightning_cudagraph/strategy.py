@@ -1,0 +1,284 @@
+"""Lightning strategies that carry the graph options and the whole-step override points.
+
+Strategies that carry the graph options as Trainer flags (``Trainer(strategy="cudagraph_attn_mlp")``,
+``--trainer.strategy=...`` in LightningCLI), add :class:`~lightning_cudagraph.CUDAGraphCallback` when the user did
+not, and provide the public override points the whole-step graph needs: ``batch_to_device`` (static batch
+buffers), ``training_step`` (the captured output), ``optimizer_step`` (capture and replay), ``teardown`` and
+``on_exception`` (release before the model leaves the GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_cudagraph.callback import CUDAGraphCallback
+from lightning_cudagraph.config import AUTO, CUDAGraphConfig, config_error
+from lightning_cudagraph.graphs.manager import capture_stream
+from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP
+from lightning_cudagraph.rollout import Rollout
+
+
+class _CUDAGraphStrategyMixin:
+    """The graph options and the whole-step override points, shared by the single-device and DDP strategies."""
+
+    supports_full_iteration = True
+
+    def _init_graph_options(self, **options: Any) -> None:
+        self.cudagraph_config = CUDAGraphConfig.from_options(type(self).__name__, **options)
+        self._callback: CUDAGraphCallback | None = None
+
+    @property
+    def rollout(self) -> Rollout | None:
+        """The rollout of the callback this strategy drives (``None`` before the Trainer connects)."""
+        return self._callback.rollout if self._callback is not None else None
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        trainer = model._trainer
+        if trainer is not None:
+            self._callback = _attach_callback(trainer, self.cudagraph_config)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        rollout = self.rollout
+        if rollout is not None and rollout.config.full_iteration and self.lightning_module is not None:
+            batch = rollout.plan_full_step(self.lightning_module.trainer, batch)
+        return batch
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        rollout = self.rollout
+        if rollout is not None and rollout.capturing_full_step:
+            rollout.on_training_step_output(output)
+        return output
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        rollout = self.rollout
+        run_step = lambda: super(_CUDAGraphStrategyMixin, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
+        if rollout is None or not rollout.config.full_iteration:
+            return run_step()
+        return rollout.run_full_step(self.lightning_module.trainer, closure, optimizer, run_step)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._release()
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._release()  # before the model moves to the CPU
+        super().teardown()
+
+    def _release(self) -> None:
+        if self.rollout is not None:
+            self.rollout.release()
+
+
+class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
+    """Single-device training with CUDA graphs; takes the options of :class:`~lightning_cudagraph.CUDAGraphCallback`.
+
+    Registered names pick the scope as a Trainer flag: ``cudagraph`` (``scope="auto"``), ``cudagraph_attn``,
+    ``cudagraph_mlp``, ``cudagraph_attn_mlp``, ``cudagraph_layer`` and ``cudagraph_full`` (the whole training step).
+
+    Args:
+        device: The device to train on; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
+        accelerator: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        checkpoint_io: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        precision_plugin: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        impl: As for the callback.
+        scope: As for the callback.
+        warmup_steps: As for the callback.
+        modules: As for the callback.
+        on_shape_change: As for the callback.
+        on_failure: As for the callback.
+        max_graphs: As for the callback.
+        confirm_steps: As for the callback.
+        parity_tol: As for the callback.
+        max_pool_mib: As for the callback.
+
+    Example::
+
+        >>> import lightning.pytorch as pl
+        >>> import lightning_cudagraph
+        >>> trainer = pl.Trainer(strategy="cudagraph_attn_mlp", accelerator="cpu", logger=False)
+        >>> trainer.strategy.cudagraph_config.scope
+        ('attn', 'mlp')
+    """
+
+    def __init__(
+        self,
+        impl: Literal["none", "local", "transformer_engine"] = "local",
+        scope: str | Sequence[str] = AUTO,
+        warmup_steps: int = 3,
+        modules: Mapping[str, Any] | None = None,
+        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
+        on_failure: Literal["eager", "raise"] = "eager",
+        max_graphs: int = 4,
+        confirm_steps: int = 2,
+        parity_tol: float | None = None,
+        max_pool_mib: float | None = None,
+        device: str | torch.device | int | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Declared so that Lightning's accelerator connector fills in the device a string strategy resolves to.
+        self.parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
+        self._init_graph_options(
+            impl=impl,
+            scope=scope,
+            warmup_steps=warmup_steps,
+            modules=modules,
+            on_shape_change=on_shape_change,
+            on_failure=on_failure,
+            max_graphs=max_graphs,
+            confirm_steps=confirm_steps,
+            parity_tol=parity_tol,
+            max_pool_mib=max_pool_mib,
+        )
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+
+class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
+    """DDP training with CUDA graphs (one process per GPU); takes the callback's options plus DDP's.
+
+    Scoped graphs keep DDP's gradient all-reduce outside the graphs. With ``scope=["full_iteration"]`` the
+    all-reduce is captured inside the step graph: DDP is built on the package's side stream, and at least 11 eager
+    warmup steps are required (NCCL's requirement). Registered as ``ddp_cudagraph`` and ``ddp_cudagraph_full``.
+
+    Args:
+        impl: As for the callback.
+        scope: As for the callback.
+        warmup_steps: As for the callback.
+        modules: As for the callback.
+        on_shape_change: As for the callback.
+        on_failure: As for the callback.
+        max_graphs: As for the callback.
+        confirm_steps: As for the callback.
+        parity_tol: As for the callback.
+        max_pool_mib: As for the callback.
+        **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+
+    Example::
+
+        >>> from lightning_cudagraph import DDPCUDAGraphStrategy
+        >>> DDPCUDAGraphStrategy(scope=["full_iteration"], warmup_steps=11).cudagraph_config.full_iteration
+        True
+    """
+
+    def __init__(
+        self,
+        impl: Literal["none", "local", "transformer_engine"] = "local",
+        scope: str | Sequence[str] = AUTO,
+        warmup_steps: int = 3,
+        modules: Mapping[str, Any] | None = None,
+        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
+        on_failure: Literal["eager", "raise"] = "eager",
+        max_graphs: int = 4,
+        confirm_steps: int = 2,
+        parity_tol: float | None = None,
+        max_pool_mib: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._init_graph_options(
+            impl=impl,
+            scope=scope,
+            warmup_steps=warmup_steps,
+            modules=modules,
+            on_shape_change=on_shape_change,
+            on_failure=on_failure,
+            max_graphs=max_graphs,
+            confirm_steps=confirm_steps,
+            parity_tol=parity_tol,
+            max_pool_mib=max_pool_mib,
+        )
+        if self.cudagraph_config.full_iteration and warmup_steps < DDP_FULL_ITERATION_MIN_WARMUP:
+            raise config_error(
+                type(self).__name__,
+                "warmup_steps",
+                warmup_steps,
+                f">= {DDP_FULL_ITERATION_MIN_WARMUP} when full_iteration runs under DDP",
+                f"pass warmup_steps={DDP_FULL_ITERATION_MIN_WARMUP}: NCCL needs that many eager DDP steps before its"
+                " all-reduce can be captured",
+            )
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+        if self.root_device.type != "cuda":
+            return super()._setup_model(model)
+        if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
+            torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+        # Built on the stream training and capture run on, so DDP's retained autograd nodes never name another one.
+        with torch.cuda.stream(capture_stream(self.root_device)):
+            return torch.nn.parallel.DistributedDataParallel(
+                module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
+            )
+
+
+def _attach_callback(trainer: pl.Trainer, config: CUDAGraphConfig) -> CUDAGraphCallback:
+    """The Trainer's CUDAGraphCallback, added with the strategy's options when the user did not add one."""
+    existing = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
+    if existing:
+        if existing[0].config != config and config != CUDAGraphConfig():
+            rank_zero_warn(
+                "CUDAGraphCallback was given both as a callback and through the strategy's options; the callback's"
+                " options apply."
+            )
+        return existing[0]
+    callback = CUDAGraphCallback(**config.options())
+    trainer.callbacks.append(callback)
+    return callback
+
+
+_REGISTERED = {
+    "cudagraph": (CUDAGraphStrategy, {}, "CUDA graphs on the narrowest scope that finds modules (attn, mlp, layer)"),
+    "cudagraph_attn": (CUDAGraphStrategy, {"scope": ["attn"]}, "CUDA graphs on attention modules"),
+    "cudagraph_mlp": (CUDAGraphStrategy, {"scope": ["mlp"]}, "CUDA graphs on MLP modules"),
+    "cudagraph_attn_mlp": (CUDAGraphStrategy, {"scope": ["attn", "mlp"]}, "CUDA graphs on attention and MLPs"),
+    "cudagraph_layer": (CUDAGraphStrategy, {"scope": ["layer"]}, "CUDA graphs on whole transformer layers"),
+    "cudagraph_full": (CUDAGraphStrategy, {"scope": ["full_iteration"]}, "The whole training step as one CUDA graph"),
+    "ddp_cudagraph": (DDPCUDAGraphStrategy, {}, "DDP with scoped CUDA graphs (scope='auto')"),
+    "ddp_cudagraph_full": (
+        DDPCUDAGraphStrategy,
+        {"scope": ["full_iteration"], "warmup_steps": 11},
+        "DDP with the whole training step as one CUDA graph",
+    ),
+}
+
+
+def register_strategies() -> None:
+    """Register the strategy names with Lightning (done on import of the package)."""
+    for name, (cls, options, description) in _REGISTERED.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, cls, description=description, **options)
+
+
+register_strategies()
