@@ -1,0 +1,1 @@
+"""Examples: a small GPT and an MoE GPT trained through LightningCLI with CUDA graphs."""

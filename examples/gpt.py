@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lightning_cudagraph  # noqa: E402,F401  (registers the cudagraph* strategy names)
+import lightning_cudagraph  # noqa: F401  (registers the cudagraph* strategy names)
 
 
 class CausalSelfAttention(nn.Module):
@@ -108,6 +108,8 @@ class GPTModule(pl.LightningModule):
         weight_decay: AdamW weight decay.
         lr_step_size: Decay the LR every this many optimizer steps (0: constant LR).
         lr_gamma: Factor of each decay.
+        optimizer: ``"adamw"`` or ``"sgd"`` (with momentum 0.9).
+        fused: Build the optimizer with ``fused=True``.
     """
 
     def __init__(
@@ -122,6 +124,8 @@ class GPTModule(pl.LightningModule):
         weight_decay: float = 0.0,
         lr_step_size: int = 0,
         lr_gamma: float = 0.5,
+        optimizer: str = "adamw",
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -145,7 +149,13 @@ class GPTModule(pl.LightningModule):
 
     def configure_optimizers(self) -> object:
         hp = self.hparams
-        optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        fused = {"fused": True} if hp.fused else {}
+        if hp.optimizer == "sgd":
+            optimizer = torch.optim.SGD(
+                self.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay, **fused
+            )
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, **fused)
         if not hp.lr_step_size:
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=hp.lr_step_size, gamma=hp.lr_gamma)
@@ -205,7 +215,9 @@ class TokenDataModule(pl.LightningDataModule):
         self.val_set = MarkovTokens(hp.vocab_size, hp.seq_len, hp.val_samples, hp.seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=self.hparams.drop_last)
+        return DataLoader(
+            self.train_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=self.hparams.drop_last
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)

@@ -229,11 +229,11 @@ def _normalize_modules(component: str, modules: Any) -> dict[str, tuple[Selector
                 component, "modules", name, "scope names other than 'auto' and 'full_iteration'", "rename the key"
             )
         items = tuple(selectors) if isinstance(selectors, (list, tuple)) else (selectors,)
-        for item in items:
+        for item in items or (None,):
             valid = isinstance(item, str) or callable(item)
             if isinstance(item, type):
                 valid = issubclass(item, nn.Module)
-            if not valid or not items:
+            if not valid:
                 raise config_error(
                     component,
                     f"modules[{name!r}]",

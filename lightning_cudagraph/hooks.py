@@ -74,11 +74,10 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
 
 def inner_hook_count(region: nn.Module) -> int:
     """Hooks on modules strictly inside ``region``: they do not fire while the region replays as a graph."""
+    # The *_with_kwargs and *_always_called dicts only flag hooks that also sit in the main dicts.
+    main_dicts = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
     return sum(
-        len(getattr(module, name, ()))
-        for module in region.modules()
-        if module is not region
-        for name in MODULE_HOOK_DICTS
+        len(getattr(module, name, ())) for module in region.modules() if module is not region for name in main_dicts
     )
 
 

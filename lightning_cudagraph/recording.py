@@ -39,6 +39,7 @@ class CapturePlan:
     """The outcome of stabilization: calls to capture in execution order, or why the step is not stable."""
 
     calls: list[RecordedCall] = field(default_factory=list)
+    batch: tuple[Any, ...] = ()
     unstable: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -104,6 +105,7 @@ class WarmupRecorder:
             plan.unstable = "no eager step was recorded"
             return plan
         last = steps[-1]
+        plan.batch = last.batch
         for index, target in enumerate(self._targets):
             if index in excluded:
                 continue

@@ -150,7 +150,7 @@ class Rollout:
                 self._disable("no_targets", detail="no target module ran in a training step: " + str(plan.skipped))
                 return
             self._note_skipped(plan.skipped)
-            if not self._capture(key, plan.calls, step):
+            if not self._capture(plan.batch, plan.calls, step):
                 return
         graph_set = self.manager.sets.get(key)
         confirming = self.stage == Stage.CONFIRMING
@@ -358,6 +358,8 @@ class Rollout:
         """Free every graph and restore everything patched (idempotent; called on every exit path)."""
         if self.manager is not None:
             self.manager.release()
+        self._recorder = None  # its sample inputs are device tensors
+        self._confirm_nonfinite = None
 
     def check_nonfinite(self, trainer: pl.Trainer) -> None:
         """full_iteration: read the in-graph non-finite counter (one host sync per log interval)."""

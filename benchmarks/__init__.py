@@ -1,0 +1,1 @@
+"""Benchmarks: when CUDA graphs pay in Lightning training, by how much, and against what."""

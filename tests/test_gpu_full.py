@@ -1,0 +1,247 @@
+"""full_iteration on a GPU: the whole training step as one graph. Run with `pytest -m cuda`."""
+
+from __future__ import annotations
+
+import csv
+import gc
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from examples.gpt import GPTModule
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
+from tests.helpers import SMALL, LossRecorder, gpt, max_param_diff, parameters_of, patched_forwards, trainer
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
+
+STEPS, WARMUP = 30, 3
+
+
+def graph_callback(fit: pl.Trainer) -> CUDAGraphCallback:
+    (callback,) = (cb for cb in fit.callbacks if isinstance(cb, CUDAGraphCallback))
+    return callback
+
+
+def _train(strategy, steps=STEPS, model=None, callbacks=(), model_overrides=None, **kwargs):
+    if model is None:
+        model, data = gpt(SMALL, **(model_overrides or {}))
+    else:
+        _, data = gpt(SMALL, **(model_overrides or {}))
+    losses = LossRecorder()
+    fit = trainer(steps, [losses, *callbacks], accelerator="cuda", devices=1, strategy=strategy, **kwargs)
+    fit.fit(model, data)
+    return losses.losses, parameters_of(model), fit, model
+
+
+def full(**options) -> CUDAGraphStrategy:
+    return CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP, **options)
+
+
+def _logged_losses(fit: pl.Trainer) -> dict[int, float]:
+    with open(f"{fit.logger.log_dir}/metrics.csv") as handle:
+        return {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")}
+
+
+def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
+    overrides = {"lr_step_size": 10, "lr_gamma": 0.5}
+    common = {"gradient_clip_val": 0.5, "log_every_n_steps": 1}
+    eager, eager_params, eager_fit, _ = _train(
+        "auto", model_overrides=overrides, logger=CSVLogger(tmp_path, name="eager"), **common
+    )
+    graphed, graphed_params, fit, model = _train(
+        full(), model_overrides=overrides, logger=CSVLogger(tmp_path, name="graphed"), **common
+    )
+    report = graph_callback(fit).report
+    assert report.stage == Stage.REPLAYING, report.reason
+    assert report.captures == 1 and report.fallbacks == 0
+    assert report.replays == STEPS - WARMUP
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert max_param_diff(eager_params, graphed_params) < 1e-5
+    # the schedule acted on the captured step, and the optimizer is plain again after release
+    (group,) = fit.optimizers[0].param_groups
+    assert isinstance(group["lr"], float) and group["lr"] == pytest.approx(1e-3 * 0.5**3)
+    assert not group["capturable"]
+    # what training_step logged is this step's value, not the capture step's
+    eager_logged, graphed_logged = _logged_losses(eager_fit), _logged_losses(fit)
+    assert sorted(graphed_logged) == sorted(eager_logged) == list(range(STEPS))
+    assert max(abs(eager_logged[s] - graphed_logged[s]) for s in eager_logged) < 1e-5
+    assert patched_forwards(model) == []
+
+
+def test_bf16_mixed_matches_eager():
+    eager, _, _, _ = _train("auto", precision="bf16-mixed")
+    graphed, _, fit, _ = _train(full(), precision="bf16-mixed")
+    assert graph_callback(fit).report.stage == Stage.REPLAYING
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 2e-2
+
+
+def test_16_mixed_needs_a_fused_optimizer():
+    with pytest.raises(ValueError, match="fused=True"):
+        _train(full(), precision="16-mixed")
+    eager, _, _, _ = _train("auto", precision="16-mixed", model_overrides={"fused": True})
+    graphed, _, fit, _ = _train(full(), precision="16-mixed", model_overrides={"fused": True})
+    assert graph_callback(fit).report.stage == Stage.REPLAYING, graph_callback(fit).report.reason
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 2e-2
+
+
+def test_sgd_with_momentum_and_epoch_schedule():
+    class EpochDecay(GPTModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            return [optimizer], [torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)]
+
+    def run(strategy):
+        pl.seed_everything(0, verbose=False)
+        model = EpochDecay(**SMALL)
+        return _train(strategy, steps=24, model=model, model_overrides={"train_samples": 8 * 8})
+
+    eager, eager_params, _, _ = run("auto")
+    graphed, graphed_params, fit, _ = run(full())
+    assert graph_callback(fit).report.stage == Stage.REPLAYING, graph_callback(fit).report.reason
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert max_param_diff(eager_params, graphed_params) < 1e-5
+
+
+class _SyncWindow(pl.Callback):
+    """Makes any host sync an error from the end of one replayed step to the end of the next."""
+
+    def __init__(self, callback: CUDAGraphCallback, steps: int) -> None:
+        self.callback, self.steps, self.checked = callback, steps, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if torch.cuda.get_sync_debug_mode():
+            torch.cuda.set_sync_debug_mode(0)
+            self.checked += 1
+        if self.callback.report.stage == Stage.REPLAYING and trainer.global_step < self.steps - 1:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_exception(self, trainer, pl_module, exception):
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_no_host_sync_in_replayed_steps():
+    callback = CUDAGraphCallback(scope=["full_iteration"], warmup_steps=WARMUP)
+    window = _SyncWindow(callback, STEPS)
+    _train(full(), callbacks=[callback, window], log_every_n_steps=1000)
+    assert callback.report.stage == Stage.REPLAYING
+    assert window.checked >= STEPS - WARMUP - 4
+
+
+class _PoisonedLoss(GPTModule):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.register_buffer("loss_scale", torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch) * self.loss_scale
+        self.log("train_loss", loss)
+        return loss
+
+
+class _Poison(pl.Callback):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            pl_module.loss_scale.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("on_failure", ["eager", "raise"])
+def test_nan_loss_is_caught_within_one_log_interval(on_failure):
+    pl.seed_everything(0, verbose=False)
+    model = _PoisonedLoss(**SMALL)
+    strategy = full(on_failure=on_failure)
+    poison_at, interval = 12, 5
+    if on_failure == "raise":
+        with pytest.raises(RuntimeError, match=f"first at step {poison_at}"):
+            _train(strategy, model=model, callbacks=[_Poison(poison_at)], log_every_n_steps=interval)
+        return
+    with pytest.warns(UserWarning, match="nonfinite_loss"):
+        losses, _, fit, _ = _train(strategy, model=model, callbacks=[_Poison(poison_at)], log_every_n_steps=interval)
+    report = graph_callback(fit).report
+    assert report.stage == Stage.DISABLED
+    ((first, count),) = report.nonfinite
+    assert first == poison_at
+    detected_at = poison_at + count  # the steps since the poisoning that ran before the check
+    assert detected_at - poison_at <= interval
+
+
+def test_ragged_batch_runs_eagerly_then_is_recaptured():
+    overrides = {"train_samples": 8 * 4 + 5, "drop_last": False}
+    eager, _, _, _ = _train("auto", steps=20, model_overrides=overrides)
+    graphed, _, fit, _ = _train(full(), steps=20, model_overrides=overrides)
+    report = graph_callback(fit).report
+    assert report.stage == Stage.REPLAYING
+    assert report.fallbacks == 4  # one eager step per epoch
+    assert "[5, 128]" in next(iter(report.fallback_reasons))
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+
+    recaptured, _, fit, _ = _train(full(on_shape_change="recapture"), steps=20, model_overrides=overrides)
+    report = graph_callback(fit).report
+    assert report.captures == 2 and report.fallbacks == 1
+    assert max(abs(a - b) for a, b in zip(eager, recaptured, strict=True)) < 1e-5
+
+
+def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
+    common = {"limit_val_batches": 2, "val_check_interval": 5, "enable_checkpointing": True}
+    eager, _, _, _ = _train("auto", model_overrides={"val_samples": 16}, **common)
+    graphed, _, fit, _ = _train(full(), callbacks=[checkpoint], model_overrides={"val_samples": 16}, **common)
+    report = graph_callback(fit).report
+    assert report.stage == Stage.REPLAYING and report.fallbacks == 0
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+
+    model, data = gpt(SMALL)
+    resumed = trainer(STEPS, [], accelerator="cuda", devices=1, strategy=full())
+    resumed.fit(model, data, ckpt_path=tmp_path / "epoch=0-step=10.ckpt")
+    report = graph_callback(resumed).report
+    assert report.stage == Stage.REPLAYING
+    assert report.captures == 2  # one before the checkpoint, one after resuming
+    assert report.replays == (10 - WARMUP) + (STEPS - 10 - WARMUP)
+
+
+def test_exception_releases_graphs_pool_and_optimizer():
+    class Boom(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 9:
+                raise RuntimeError("boom")
+
+    def failed_fit(strategy):
+        model, data = gpt(SMALL)
+        fit = trainer(STEPS, [Boom()], accelerator="cuda", devices=1, strategy=strategy)
+        with pytest.raises(RuntimeError, match="boom"):
+            fit.fit(model, data)
+        optimizer = fit.optimizers[0]
+        report = graph_callback(fit).report if strategy != "auto" else None
+        del fit
+        gc.collect()
+        torch.cuda.synchronize()
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated(), report, optimizer, model
+
+    eager_memory, _, _, _ = failed_fit("auto")
+    graphed_memory, report, optimizer, model = failed_fit(full())
+    assert report.captures == 1 and report.graphs == 0
+    assert graphed_memory == eager_memory
+    assert isinstance(optimizer.param_groups[0]["lr"], float)
+    assert patched_forwards(model) == []
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.parametrize(
+    ("scope", "warmup"), [pytest.param(["full_iteration"], 11, id="full"), pytest.param(["layer"], 3, id="layer")]
+)
+def test_ddp_single_process_nccl(scope, warmup):
+    """DDP with one process (NCCL, world size 1): DDP built on the side stream, all-reduce inside the graph."""
+    eager, eager_params, _, _ = _train(DDPStrategy(), steps=20)
+    graphed, graphed_params, fit, _ = _train(DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup), steps=20)
+    report = graph_callback(fit).report
+    assert report.stage == Stage.REPLAYING, report.reason
+    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert max_param_diff(eager_params, graphed_params) < 1e-5

@@ -1,0 +1,253 @@
+"""Strategy names, the callback a strategy adds, LightningCLI flags, and DDP on CPU (gloo).
+
+A user picks graphs with a Trainer flag (``Trainer(strategy="cudagraph_attn_mlp")``) or through LightningCLI
+(``--trainer.strategy=...``, ``--trainer.callbacks+=lightning_cudagraph.CUDAGraphCallback``). These tests build
+those Trainers on a CPU and check the options that reach the strategy and the callback, then train a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed
+from lightning.pytorch import seed_everything
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_cudagraph
+from examples.gpt import GPTModule, TokenDataModule
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
+
+TINY_MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "width": 32, "heads": 2}
+TINY_DATA = {"vocab_size": 64, "seq_len": 16, "batch_size": 4, "train_samples": 64}
+
+# name -> (class, scope, warmup_steps), as DESIGN.md registers them.
+REGISTERED = {
+    "cudagraph": (CUDAGraphStrategy, ("auto",), 3),
+    "cudagraph_attn": (CUDAGraphStrategy, ("attn",), 3),
+    "cudagraph_mlp": (CUDAGraphStrategy, ("mlp",), 3),
+    "cudagraph_attn_mlp": (CUDAGraphStrategy, ("attn", "mlp"), 3),
+    "cudagraph_layer": (CUDAGraphStrategy, ("layer",), 3),
+    "cudagraph_full": (CUDAGraphStrategy, ("full_iteration",), 3),
+    "ddp_cudagraph": (DDPCUDAGraphStrategy, ("auto",), 3),
+    "ddp_cudagraph_full": (DDPCUDAGraphStrategy, ("full_iteration",), 11),
+}
+NAMES = list(REGISTERED)
+
+
+def tiny_gpt() -> GPTModule:
+    seed_everything(0, verbose=False)
+    return GPTModule(**TINY_MODEL)
+
+
+def tiny_data() -> TokenDataModule:
+    return TokenDataModule(**TINY_DATA)
+
+
+def make_trainer(tmp_path: Any, **kwargs: Any) -> pl.Trainer:
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 3,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "default_root_dir": tmp_path,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def graph_callbacks(trainer: pl.Trainer) -> list[CUDAGraphCallback]:
+    return [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
+
+
+# =================================================================== registry and Trainer flags
+def test_package_docstring_lists_every_registered_name():
+    for name in NAMES:
+        assert f"``{name}``" in lightning_cudagraph.__doc__
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_name_is_registered(name):
+    assert name in StrategyRegistry
+    assert name in StrategyRegistry.available_strategies()
+    assert StrategyRegistry[name]["strategy"] is REGISTERED[name][0]
+    assert StrategyRegistry[name]["description"], "every registered name should say what it does"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_name_builds_trainer_on_cpu(tmp_path, name):
+    cls, scope, warmup_steps = REGISTERED[name]
+    trainer = make_trainer(tmp_path, strategy=name)
+
+    assert type(trainer.strategy) is cls
+    assert trainer.strategy.cudagraph_config.scope == scope
+    assert trainer.strategy.cudagraph_config.warmup_steps == warmup_steps
+    assert trainer.strategy.root_device == torch.device("cpu")
+    assert graph_callbacks(trainer) == [], "the strategy adds its callback at fit, not at Trainer construction"
+
+
+def test_strategy_adds_exactly_one_callback_and_reuses_it_on_refit(tmp_path):
+    model = tiny_gpt()
+    trainer = make_trainer(tmp_path, strategy="cudagraph_attn")
+    trainer.fit(model, datamodule=tiny_data())
+
+    added = graph_callbacks(trainer)
+    assert len(added) == 1
+    callback = added[0]
+    assert callback.config.scope == ("attn",)
+    assert trainer.strategy.rollout is callback.rollout
+    assert (callback.report.stage, callback.report.reason) == (Stage.DISABLED, "no_cuda")
+
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(model, datamodule=tiny_data())
+    assert trainer.global_step == 5
+    assert graph_callbacks(trainer) == [callback], "a second fit must not add a second callback"
+
+
+@pytest.mark.parametrize("name", ["cudagraph", "cudagraph_attn_mlp"])
+def test_strategy_uses_the_users_callback(tmp_path, name):
+    model = tiny_gpt()
+    callback = CUDAGraphCallback(scope=["mlp"], warmup_steps=2)
+    trainer = make_trainer(tmp_path, strategy=name, callbacks=[callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=tiny_data())
+
+    assert graph_callbacks(trainer) == [callback]
+    assert trainer.strategy.rollout is callback.rollout
+    assert callback.config.scope == ("mlp",)
+    assert callback.config.warmup_steps == 2
+    assert callback.report.scopes == {"mlp": ["model.blocks.0.mlp", "model.blocks.1.mlp"]}
+    assert (callback.report.stage, callback.report.reason) == (Stage.DISABLED, "no_cuda")
+    if name != "cudagraph":  # the strategy asked for other options: the user must hear which ones apply
+        assert any("strategy" in str(w.message) and "callback" in str(w.message) for w in caught)
+
+
+# =================================================================== LightningCLI
+CLI_TINY = [
+    *(f"--model.{key}={value}" for key, value in TINY_MODEL.items()),
+    *(f"--data.{key}={value}" for key, value in TINY_DATA.items()),
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.limit_val_batches=0",
+]
+
+CLI_CASES = {
+    "strategy-name": (["--trainer.strategy=cudagraph_attn_mlp"], CUDAGraphStrategy, ("attn", "mlp"), 3),
+    "strategy-class": (
+        [
+            "--trainer.strategy=lightning_cudagraph.CUDAGraphStrategy",
+            "--trainer.strategy.scope=[attn,mlp]",
+            "--trainer.strategy.warmup_steps=5",
+        ],
+        CUDAGraphStrategy,
+        ("attn", "mlp"),
+        5,
+    ),
+    "callback": (
+        ["--trainer.callbacks+=lightning_cudagraph.CUDAGraphCallback", "--trainer.callbacks.scope=[attn]"],
+        None,
+        ("attn",),
+        3,
+    ),
+}
+
+
+def build_cli(tmp_path: Path, flags: list[str], monkeypatch: pytest.MonkeyPatch) -> LightningCLI:
+    monkeypatch.setattr("sys.argv", ["gpt.py"])  # only `args` reach the parser, not pytest's own arguments
+    args = [*CLI_TINY, f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu", *flags]
+    return LightningCLI(GPTModule, TokenDataModule, run=False, args=args)
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_flags_reach_strategy_and_callback(tmp_path, monkeypatch, case):
+    flags, strategy_cls, scope, warmup_steps = CLI_CASES[case]
+    cli = build_cli(tmp_path, flags, monkeypatch)
+
+    if strategy_cls is not None:
+        assert type(cli.trainer.strategy) is strategy_cls
+        assert cli.trainer.strategy.cudagraph_config.scope == scope
+        assert cli.trainer.strategy.cudagraph_config.warmup_steps == warmup_steps
+    else:
+        callbacks = graph_callbacks(cli.trainer)
+        assert len(callbacks) == 1
+        assert callbacks[0].config.scope == scope
+        assert callbacks[0].config.warmup_steps == warmup_steps
+    assert cli.model.hparams.n_layer == TINY_MODEL["n_layer"]
+
+
+@pytest.mark.parametrize("case", ["strategy-class", "callback"])
+def test_cli_fit_on_cpu(tmp_path, monkeypatch, case):
+    flags, _, scope, _ = CLI_CASES[case]
+    cli = build_cli(tmp_path, [*flags, "--trainer.max_steps=3"], monkeypatch)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+    assert cli.trainer.state.finished
+    assert cli.trainer.global_step == 3
+    (callback,) = graph_callbacks(cli.trainer)
+    assert callback.config.scope == scope
+    assert (callback.report.stage, callback.report.reason) == (Stage.DISABLED, "no_cuda")
+    assert set(callback.report.scopes) == set(scope)
+
+
+# =================================================================== DDP on CPU
+class ReportToFile(pl.Callback):
+    """Writes each rank's graph report to ``out/rank<N>.json`` (reports live in the spawned processes only)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (callback,) = graph_callbacks(trainer)
+        report = {
+            "stage": int(callback.report.stage),
+            "reason": callback.report.reason,
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "strategy": type(trainer.strategy).__name__,
+        }
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+@pytest.mark.skipif(
+    torch.distributed.is_available() and not torch.distributed.is_gloo_available(), reason="needs the gloo backend"
+)
+def test_ddp_spawn_two_cpu_processes_train_eagerly(tmp_path):
+    """Two spawned gloo processes train a few steps; each rank reports stage -1 for ``no_cuda``.
+
+    This takes about 8 s on a 2-core machine (two interpreters importing torch and Lightning), which is the cost
+    of the only DDP check that runs without a GPU. The model, data module and callbacks are module-level, so they
+    pickle into the spawned processes.
+    """
+    model = tiny_gpt()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    strategy = DDPCUDAGraphStrategy(start_method="spawn", process_group_backend="gloo")
+    trainer = make_trainer(tmp_path, strategy=strategy, devices=2, callbacks=[ReportToFile(str(tmp_path))])
+    trainer.fit(model, datamodule=tiny_data())
+
+    assert trainer.state.finished
+    assert any(not torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report == {
+            "stage": int(Stage.DISABLED),
+            "reason": "no_cuda",
+            "world_size": 2,
+            "global_step": 3,
+            "strategy": "DDPCUDAGraphStrategy",
+        }
