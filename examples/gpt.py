@@ -163,16 +163,16 @@ class GPTModule(pl.LightningModule):
 
 
 class MarkovTokens(Dataset):
-    """Sequences from a fixed random Markov chain over the vocabulary, so the loss has something to learn."""
+    """Sequences from a fixed random Markov chain (four successors per token): a pattern the model can learn."""
 
     def __init__(self, vocab_size: int, seq_len: int, samples: int, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
-        logits = torch.randn(vocab_size, vocab_size, generator=generator) * 3
-        transitions = torch.softmax(logits, dim=-1)
+        successors = torch.randint(vocab_size, (vocab_size, 4), generator=generator)
+        choices = torch.randint(4, (samples, seq_len), generator=generator)
         tokens = torch.empty(samples, seq_len + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(vocab_size, (samples,), generator=generator)
         for t in range(seq_len):
-            tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=generator).squeeze(1)
+            tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
         self.tokens = tokens
 
     def __len__(self) -> int:

@@ -5,8 +5,8 @@ capacity, and no step reads a value back to the host, so the ``moe_router`` and 
 ``moe``, the whole layer) can be captured::
 
     python examples/moe.py fit --config examples/moe_small.yaml
-    python examples/moe.py fit --config examples/moe_small.yaml --trainer.strategy=lightning_cudagraph.CUDAGraphStrategy \
-        --trainer.strategy.scope=[moe_router,moe_preprocess]
+    python examples/moe.py fit --config examples/moe_small.yaml \
+        --trainer.strategy=lightning_cudagraph.CUDAGraphStrategy --trainer.strategy.scope=[moe]
 
 Module names: ``blocks.N.moe`` (the layer), ``blocks.N.moe.router`` (scores tokens), ``blocks.N.moe.preprocess``
 (builds the dispatch and combine tensors, GShard style, top-1 with a capacity per expert).
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from examples.gpt import GPT, Block, GPTModule, TokenDataModule  # noqa: E402
+from examples.gpt import GPT, Block, GPTModule, TokenDataModule
 
 
 class Router(nn.Module):

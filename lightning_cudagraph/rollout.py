@@ -125,6 +125,8 @@ class Rollout:
         """Close the step: confirmation checks, stage changes, metrics."""
         self._timer.stop()
         state = self.manager.end_step() if self.manager is not None else None
+        if state is not None and state.recorder is not None:
+            state.recorder.end_step()
         if self.active and state is not None and state.confirming:
             self._confirm_scoped_step(state, outputs)
         if self.active and self.config.full_iteration and self.stage == Stage.CONFIRMING:

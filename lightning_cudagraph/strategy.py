@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -254,7 +255,9 @@ def _attach_callback(trainer: pl.Trainer, config: CUDAGraphConfig) -> CUDAGraphC
             )
         return existing[0]
     callback = CUDAGraphCallback(**config.options())
-    trainer.callbacks.append(callback)
+    # Lightning keeps checkpoint callbacks last, so they save every other callback's state of the step.
+    first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
+    trainer.callbacks.insert(len(trainer.callbacks) if first_checkpoint is None else first_checkpoint, callback)
     return callback
 
 

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -82,9 +83,9 @@ class RaiseAtStep(pl.Callback):
             raise RuntimeError(f"user error at step {self.step}")
 
 
-def tiny_gpt(seed: int = 0) -> TinyGPT:
-    seed_everything(seed, verbose=False)
-    return TinyGPT(**TINY_MODEL)
+def tiny_gpt(**options: Any) -> TinyGPT:
+    seed_everything(0, verbose=False)
+    return TinyGPT(**{**TINY_MODEL, **options})
 
 
 def tiny_data() -> TokenDataModule:
@@ -136,30 +137,38 @@ def package_messages(caught: list[warnings.WarningMessage]) -> list[str]:
 SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
     "callback": lambda: {"callbacks": [CUDAGraphCallback()]},
     "strategy_layer": lambda: {"strategy": "cudagraph_layer"},
+    "strategy_full": lambda: {"strategy": "cudagraph_full"},
 }
 SETUP_IDS = list(SETUPS)
 
 
-def eager_reference(tmp_path: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+# Validation inside the fit (sanity check, then every 3 steps), and a step-wise LR schedule, as a user would have.
+WITH_VALIDATION = {"num_sanity_val_steps": 2, "val_check_interval": 3, "limit_val_batches": 2}
+WITH_SCHEDULE = {"lr_step_size": 2}
+
+
+def eager_reference(tmp_path: Any) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The same fit with plain Lightning: the losses and final weights the package must reproduce on a CPU."""
-    model, recorder = tiny_gpt(), LossRecorder()
-    trainer = make_trainer(tmp_path / "eager", callbacks=[recorder])
+    model, recorder = tiny_gpt(**WITH_SCHEDULE), LossRecorder()
+    trainer = make_trainer(tmp_path / "eager", callbacks=[recorder], **WITH_VALIDATION)
     trainer.fit(model, datamodule=tiny_data())
-    return recorder.losses, model.state_dict()
+    return recorder.losses, model.state_dict(), float(trainer.callback_metrics["val_loss"])
 
 
 @pytest.mark.parametrize("setup", SETUP_IDS)
 def test_cpu_fit_trains_eagerly_with_one_no_cuda_warning(tmp_path, setup):
-    expected_losses, expected_weights = eager_reference(tmp_path)
+    expected_losses, expected_weights, expected_val_loss = eager_reference(tmp_path)
 
-    model, recorder = tiny_gpt(), LossRecorder()
+    model, recorder = tiny_gpt(**WITH_SCHEDULE), LossRecorder()
     options = SETUPS[setup]()
-    trainer = make_trainer(tmp_path / "graphs", **{**options, "callbacks": [*options.get("callbacks", []), recorder]})
+    callbacks = [*options.pop("callbacks", []), recorder]
+    trainer = make_trainer(tmp_path / "graphs", callbacks=callbacks, **options, **WITH_VALIDATION)
     caught = fit_recording_warnings(trainer, model, datamodule=tiny_data())
 
     assert trainer.state.finished
     assert trainer.global_step == MAX_STEPS
     assert recorder.losses == expected_losses, "training on a CPU must be exactly eager training"
+    assert float(trainer.callback_metrics["val_loss"]) == expected_val_loss
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected_weights[name]), f"{name} differs from the eager run"
 
@@ -184,6 +193,8 @@ def test_validate_test_predict_and_second_fit_work_after_fit(tmp_path, setup):
     assert "test_loss" in trainer.test(model, dataloaders=val_loader, verbose=False)[0]
     predictions = trainer.predict(model, dataloaders=val_loader)
     assert predictions[0].shape == (TINY_DATA["batch_size"], TINY_DATA["seq_len"], TINY_DATA["vocab_size"])
+    with torch.no_grad():
+        assert torch.equal(predictions[0], model.eval()(next(iter(val_loader))[0])), "predict is the plain forward"
 
     trainer.fit_loop.max_epochs = 2
     caught = fit_recording_warnings(trainer, model, datamodule=data)
@@ -192,6 +203,28 @@ def test_validate_test_predict_and_second_fit_work_after_fit(tmp_path, setup):
     assert trainer.global_step == 6
 
     report = graph_callback(trainer).report
+    assert (report.stage, report.reason) == (Stage.DISABLED, "no_cuda")
+    assert len(messages(caught, "no_cuda")) == 1, package_messages(caught)
+    assert patched_forwards(model) == []
+
+
+@pytest.mark.parametrize("setup", SETUP_IDS)
+def test_resume_from_checkpoint_trains_on(tmp_path, setup):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    options = SETUPS[setup]()
+    callbacks = [*options.pop("callbacks", []), checkpoint]
+    trainer = make_trainer(tmp_path, max_steps=3, callbacks=callbacks, enable_checkpointing=True, **options)
+    trainer.fit(tiny_gpt(), datamodule=tiny_data())
+    saved = torch.load(checkpoint.last_model_path, weights_only=False)
+    assert graph_callback(trainer).state_key in saved["callbacks"], "the callback's counters travel in checkpoints"
+
+    model = tiny_gpt()
+    resumed = make_trainer(tmp_path, enable_checkpointing=True, **SETUPS[setup]())
+    caught = fit_recording_warnings(resumed, model, datamodule=tiny_data(), ckpt_path=checkpoint.last_model_path)
+
+    assert resumed.state.finished
+    assert resumed.global_step == MAX_STEPS
+    report = graph_callback(resumed).report
     assert (report.stage, report.reason) == (Stage.DISABLED, "no_cuda")
     assert len(messages(caught, "no_cuda")) == 1, package_messages(caught)
     assert patched_forwards(model) == []
@@ -210,19 +243,27 @@ def test_impl_none_turns_everything_off_without_warning(tmp_path):
     assert patched_forwards(model) == []
 
 
-def test_auto_scope_without_targets_warns_and_trains(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(lambda: {"callbacks": [CUDAGraphCallback()]}, id="callback"),
+        pytest.param(lambda: {"strategy": "cudagraph"}, id="strategy"),
+    ],
+)
+def test_auto_scope_without_targets_warns_and_trains(tmp_path, options):
     model = PlainModule()
-    callback = CUDAGraphCallback()  # scope="auto"
-    trainer = make_trainer(tmp_path, callbacks=[callback])
+    trainer = make_trainer(tmp_path, **options())
     caught = fit_recording_warnings(trainer, model)
 
     assert trainer.state.finished
     assert trainer.global_step == MAX_STEPS
-    assert callback.report.stage == Stage.DISABLED
-    assert callback.report.reason == "no_targets"
+    report = graph_callback(trainer).report
+    assert report.stage == Stage.DISABLED
+    assert report.reason == "no_targets"
     warned = messages(caught, "no_targets")
     assert len(warned) == 1, package_messages(caught)
     assert "net" in warned[0], "the warning should name the model's modules so the user can pick some"
+    assert messages(caught, "no_cuda") == [], "one warning says why graphs are off, not two"
     assert patched_forwards(model) == []
 
 
@@ -235,23 +276,45 @@ class StepCounter(pl.Callback):
 
 
 @pytest.mark.parametrize(
-    ("make_model", "scope", "candidates"),
+    ("make_model", "options", "unmatched", "candidates"),
     [
-        pytest.param(PlainModule, ["attn"], ["net.* (Linear)"], id="plain-attn"),
-        pytest.param(tiny_gpt, ["moe"], ["model.blocks.*.attn", "model.blocks.*.mlp"], id="gpt-moe"),
-        pytest.param(tiny_gpt, ["attn", "mamba"], ["model.blocks.*.attn"], id="gpt-attn-mamba"),
+        pytest.param(
+            PlainModule,
+            lambda: {"callbacks": [CUDAGraphCallback(scope=["attn"])]},
+            "attn",
+            ["net.* (Linear)"],
+            id="plain",
+        ),
+        pytest.param(
+            PlainModule, lambda: {"strategy": "cudagraph_attn"}, "attn", ["net.* (Linear)"], id="plain-strategy"
+        ),
+        pytest.param(
+            tiny_gpt,
+            lambda: {"callbacks": [CUDAGraphCallback(scope=["moe"])]},
+            "moe",
+            ["model.blocks.*.attn", "model.blocks.*.mlp"],
+            id="gpt-moe",
+        ),
+        pytest.param(
+            tiny_gpt,
+            lambda: {"callbacks": [CUDAGraphCallback(scope=["attn", "mamba"])]},
+            "mamba",
+            ["model.blocks.*.attn"],
+            id="gpt-attn-mamba",
+        ),
     ],
 )
-def test_explicit_scope_matching_nothing_raises_before_training(tmp_path, make_model, scope, candidates):
+def test_explicit_scope_matching_nothing_raises_before_training(tmp_path, make_model, options, unmatched, candidates):
     model, counter = make_model(), StepCounter()
-    trainer = make_trainer(tmp_path, callbacks=[CUDAGraphCallback(scope=scope), counter])
+    options = options()
+    trainer = make_trainer(tmp_path, **{**options, "callbacks": [*options.get("callbacks", []), counter]})
     fit_args = {} if isinstance(model, PlainModule) else {"datamodule": tiny_data()}
 
     with pytest.raises(ValueError, match="matches no module") as error:
         trainer.fit(model, **fit_args)
 
     message = str(error.value)
-    assert repr(scope[-1]) in message
+    assert repr(unmatched) in message
     for candidate in candidates:
         assert candidate in message, f"the error should list candidate modules, got: {message}"
     assert counter.batches == 0

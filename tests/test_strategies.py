@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed
 from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -132,6 +133,29 @@ def test_strategy_uses_the_users_callback(tmp_path, name):
     assert (callback.report.stage, callback.report.reason) == (Stage.DISABLED, "no_cuda")
     if name != "cudagraph":  # the strategy asked for other options: the user must hear which ones apply
         assert any("strategy" in str(w.message) and "callback" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(lambda: {"callbacks": [CUDAGraphCallback(scope=["attn"])]}, id="users-callback"),
+        pytest.param(lambda: {"strategy": "cudagraph_attn"}, id="strategy-adds-callback"),
+    ],
+)
+def test_checkpoint_callbacks_stay_last(tmp_path, options):
+    """Lightning runs Checkpoint callbacks last so that they save every other callback's final state of a step.
+
+    The callback a strategy adds must keep that order, as a callback the user passes does.
+    """
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    options = options()
+    callbacks = [*options.pop("callbacks", []), checkpoint]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, **options)
+    trainer.fit(tiny_gpt(), datamodule=tiny_data())
+
+    order = [type(cb).__name__ for cb in trainer.callbacks]
+    assert len(graph_callbacks(trainer)) == 1
+    assert isinstance(trainer.callbacks[-1], Checkpoint), f"ModelCheckpoint should run last, callbacks run as {order}"
 
 
 # =================================================================== LightningCLI

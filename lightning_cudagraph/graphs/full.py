@@ -16,6 +16,7 @@ output of ``training_step`` (``training_step``) and the step itself (``optimizer
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._lightning import logging_as
+from lightning_cudagraph.graphs.pool import pool_memory_mib
 from lightning_cudagraph.graphs.rng import generator_guard
 from lightning_cudagraph.health import CUDAGraphReport
 
@@ -172,6 +174,7 @@ class FullIterationGraphs:
         if id(optimizer) not in self.optimizers:
             self.optimizers[id(optimizer)] = CapturableOptimizer(optimizer, self.device)
         graph = torch.cuda.CUDAGraph()
+        started = time.perf_counter()
         self._capturing = step
         try:
             with (
@@ -191,6 +194,8 @@ class FullIterationGraphs:
         step.addresses = _parameter_addresses(module)
         self.report.captures += 1
         self.report.graphs = len(self.graphs)
+        self.report.capture_ms = (time.perf_counter() - started) * 1e3
+        self.report.pool_mib = pool_memory_mib(self.pool, self.device)
 
     def on_training_step_output(self, output: Any) -> None:
         """While capturing: keep ``training_step``'s output (static tensors) and add the non-finite check."""

@@ -237,6 +237,7 @@ def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: 
     region.static_grad_outputs = grad_outputs
     region.static_grad_inputs = tuple(None for _ in surface)
     if not any(region.differentiable) or not any(t.requires_grad for t in surface):
+        region.static_outputs = tuple(o.detach() for o in region.static_outputs)
         return  # nothing flows back through this region: no backward graph
     graph = torch.cuda.CUDAGraph()
     with (
@@ -247,6 +248,7 @@ def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: 
     grads_iter = iter(grads)
     region.static_grad_inputs = tuple(next(grads_iter) if t.requires_grad else None for t in surface)
     region.bwd_graph = graph
+    region.static_outputs = tuple(o.detach() for o in region.static_outputs)  # drop the capture's autograd graph
 
 
 def tensor_addresses(module: torch.nn.Module) -> dict[str, int]:

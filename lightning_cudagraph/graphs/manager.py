@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph.graphs.full import FullIterationGraphs
 from lightning_cudagraph.graphs.local import GraphedRegion, RecordedCall, capture_regions, tensor_addresses
+from lightning_cudagraph.graphs.pool import pool_memory_mib
 from lightning_cudagraph.graphs.rng import generator_guard, training_state_preserved
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.hooks import hooks_stashed
@@ -300,13 +301,3 @@ def relative_error(reference: Sequence[Tensor], other: Sequence[Tensor]) -> Tens
             a32, b32 = a.float(), b.float()
             errors.append((a32 - b32).abs().max() / a32.abs().max().clamp_min(1e-6))
     return torch.stack(errors).max() if errors else torch.zeros(())
-
-
-def pool_memory_mib(pool: Any, device: torch.device) -> float:
-    """MiB of device memory in the segments of ``pool`` (0 when the allocator snapshot lacks pool ids)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = 0
-    for segment in torch.cuda.memory_snapshot():
-        if segment.get("device") == index and tuple(segment.get("segment_pool_id", ())) == tuple(pool):
-            total += segment["total_size"]
-    return total / 2**20
