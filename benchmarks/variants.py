@@ -9,6 +9,8 @@ bottleneck (the regime CUDA graphs address) without adding a host sync per step.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,13 +21,29 @@ import torch
 import torch.nn.functional as F
 
 from examples.gpt import GPTModule, TokenDataModule
+from examples.moe import MoEGPTModule
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
 
 CONFIGS = {
     "small": {"vocab_size": 1024, "seq_len": 128, "n_layer": 6, "width": 256, "heads": 4, "batch_size": 8},
     "medium": {"vocab_size": 1024, "seq_len": 512, "n_layer": 6, "width": 1024, "heads": 16, "batch_size": 8},
     "tiny": {"vocab_size": 256, "seq_len": 64, "n_layer": 4, "width": 128, "heads": 4, "batch_size": 4},
+    # The MoE GPT of examples/moe.py (examples/moe_small.yaml): "experts" selects MoEGPTModule.
+    "moe": {"vocab_size": 1024, "seq_len": 128, "n_layer": 6, "width": 256, "heads": 4, "batch_size": 8, "experts": 4},
 }
+
+#: Scoped Lightning variants: the scopes each one captures.
+SCOPE_VARIANTS = {
+    "attn": ["attn"],
+    "mlp": ["mlp"],
+    "attn+mlp": ["attn", "mlp"],
+    "layer": ["layer"],
+    "moe_router+preprocess": ["moe_router", "moe_preprocess"],
+}
+
+#: Where ``te_layer`` finds the Transformer Engine GPT (written separately; optional).
+TE_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "te_gpt.py")
+TE_SKIPPED = "skipped: Transformer Engine not installed"
 
 
 @dataclass
@@ -99,15 +117,14 @@ def _autocast_on(trainer: pl.Trainer) -> bool:
 
 def lightning_variant(name: str, config: dict[str, Any], precision: str, steps: int, skip: int) -> Result:
     """Run one Lightning variant and measure it."""
-    model, data = _model_and_data(config)
+    model, data = _model_and_data(config, name)
     clock = StepClock()
     callbacks: list[pl.Callback] = [clock]
     strategy: Any = "auto"
     graph_callback: CUDAGraphCallback | None = None
     handwritten: HandwrittenBlockGraphs | None = None
-    scopes = {"attn": ["attn"], "mlp": ["mlp"], "attn+mlp": ["attn", "mlp"], "layer": ["layer"]}
-    if name in scopes:
-        graph_callback = CUDAGraphCallback(scope=scopes[name], warmup_steps=3)
+    if name in SCOPE_VARIANTS:
+        graph_callback = CUDAGraphCallback(scope=SCOPE_VARIANTS[name], warmup_steps=3)
         callbacks.append(graph_callback)
     elif name == "full_iteration":
         graph_callback = CUDAGraphCallback(scope=["full_iteration"], warmup_steps=3)
@@ -228,6 +245,20 @@ LIGHTNING_VARIANTS = (
     "te_layer",
 )
 PYTORCH_VARIANTS = ("pytorch_eager", "pytorch_block_graphs", "pytorch_full_graph")
+#: The variants of the MoE config (its graph scopes are the router and the token dispatch).
+MOE_VARIANTS = ("eager", "moe_router+preprocess", "layer", "full_iteration")
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine is importable (``te_layer`` is skipped without it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def variants_for(config: dict[str, Any]) -> tuple[str, ...]:
+    """Every variant that applies to a config: the MoE ones for an MoE model, all the others otherwise."""
+    if "experts" in config:
+        return MOE_VARIANTS
+    return (*LIGHTNING_VARIANTS, *PYTORCH_VARIANTS)
 
 
 def run_variant(name: str, config: dict[str, Any], precision: str, steps: int, skip: int) -> Result:
@@ -238,13 +269,49 @@ def run_variant(name: str, config: dict[str, Any], precision: str, steps: int, s
         return runner(name, config, precision, steps, skip)
     except Exception as err:  # one failing variant must not hide the others' figures
         torch.cuda.set_stream(torch.cuda.default_stream())
-        return Result(name, note=f"failed: {type(err).__name__}: {str(err)[:160]}")
+        return Result(name, note=failure_note(name, err))
 
 
-def _model_and_data(config: dict[str, Any]) -> tuple[GPTModule, TokenDataModule]:
+def failure_note(name: str, err: Exception) -> str:
+    """The note of a variant that could not run: skipped (``te_layer`` without Transformer Engine) or failed."""
+    if name == "te_layer" and isinstance(err, ImportError):
+        missing_te = (err.name or "").split(".")[0] == "transformer_engine"
+        return TE_SKIPPED if missing_te else f"{TE_SKIPPED} ({type(err).__name__}: {str(err)[:120]})"
+    return f"failed: {type(err).__name__}: {str(err)[:160]}"
+
+
+def module_class(config: dict[str, Any], variant: str = "eager") -> type[GPTModule]:
+    """The LightningModule a variant trains: the MoE GPT for a config with ``experts``, the TE GPT for ``te_layer``.
+
+    Raises:
+        ImportError: ``te_layer`` without Transformer Engine (the variant is reported as skipped).
+    """
+    if variant == "te_layer":
+        return _te_module_class()
+    return MoEGPTModule if "experts" in config else GPTModule
+
+
+def _te_module_class() -> type[GPTModule]:
+    """``examples.te_gpt.TEGPTModule`` when that example exists, else the plain GPT (graphed by TE's impl)."""
+    if not te_available():
+        raise ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine")
+    if not os.path.exists(TE_EXAMPLE):
+        return GPTModule
+    from examples.te_gpt import TEGPTModule  # lazy: it imports Transformer Engine
+
+    return TEGPTModule
+
+
+def model_args(config: dict[str, Any]) -> dict[str, Any]:
+    """The model's constructor arguments in a config (``experts`` only where the config has it)."""
+    keys = ("vocab_size", "seq_len", "n_layer", "width", "heads", "experts")
+    return {k: config[k] for k in keys if k in config}
+
+
+def _model_and_data(config: dict[str, Any], variant: str = "eager") -> tuple[GPTModule, TokenDataModule]:
+    cls = module_class(config, variant)
     pl.seed_everything(0, verbose=False)
-    model_keys = ("vocab_size", "seq_len", "n_layer", "width", "heads")
-    model = GPTModule(**{k: config[k] for k in model_keys})
+    model = cls(**model_args(config))
     data = TokenDataModule(
         config["vocab_size"],
         config["seq_len"],

@@ -110,6 +110,7 @@ class GPTModule(pl.LightningModule):
         lr_gamma: Factor of each decay.
         optimizer: ``"adamw"`` or ``"sgd"`` (with momentum 0.9).
         fused: Build the optimizer with ``fused=True``.
+        capturable: Build AdamW with ``capturable=True`` (the form a whole-step graph runs it in).
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class GPTModule(pl.LightningModule):
         lr_gamma: float = 0.5,
         optimizer: str = "adamw",
         fused: bool = False,
+        capturable: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -155,7 +157,10 @@ class GPTModule(pl.LightningModule):
                 self.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay, **fused
             )
         else:
-            optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, **fused)
+            capturable = {"capturable": True} if hp.capturable else {}
+            optimizer = torch.optim.AdamW(
+                self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, **fused, **capturable
+            )
         if not hp.lr_step_size:
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=hp.lr_step_size, gamma=hp.lr_gamma)

@@ -152,6 +152,12 @@ class CUDAGraphCallback(Callback):
         self.rollout.release()
 
     @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.rollout.save_checkpoint(trainer, checkpoint)
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"report": self.rollout.report.state_dict()}
 

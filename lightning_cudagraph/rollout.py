@@ -8,7 +8,9 @@ rolled back. The callback and the strategy report Lightning events here; graph m
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_cudagraph import preflight
 from lightning_cudagraph._lightning import set_closure_result
 from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.graphs.local import capture_regions
 from lightning_cudagraph.graphs.manager import GraphManager, StepState
 from lightning_cudagraph.health import CUDAGraphReport, Stage, StepTimer, log_to_loggers, median
 from lightning_cudagraph.hooks import inner_hook_count
@@ -29,6 +32,7 @@ from lightning_cudagraph.signature import batch_key, describe_batch_key
 #: Relative parity tolerance by the graphed output's dtype, when ``parity_tol`` is not given.
 DEFAULT_PARITY_TOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 REDUCED_PRECISION_PARITY_TOL = 2e-2
+FP8_PARITY_TOL = 0.125  # E4M3 keeps 3 mantissa bits
 
 
 class Rollout:
@@ -52,6 +56,7 @@ class Rollout:
         self._seen_batches: set[tuple[Any, ...]] = set()
         self._last_logged = -1
         self._last_nonfinite_check = 0
+        self._fp8 = False
 
     @property
     def stage(self) -> Stage:
@@ -99,8 +104,19 @@ class Rollout:
             )
             return
         preflight.check_optimizers(self.config, trainer, self.component)
-        targets = self.resolution.targets
-        self.manager = GraphManager(targets, self.report, device, strict_shapes=self.config.on_shape_change == "error")
+        capture: Callable[..., list[Any]] = capture_regions
+        if self.config.impl == "transformer_engine":
+            from lightning_cudagraph.graphs.te import capture_te_regions, fp8_recipe_of
+
+            self._fp8 = fp8_recipe_of(trainer.precision_plugin) is not None
+            capture = functools.partial(capture_te_regions, fp8_recipe=fp8_recipe_of(trainer.precision_plugin))
+        self.manager = GraphManager(
+            self.resolution.targets,
+            self.report,
+            device,
+            strict_shapes=self.config.on_shape_change == "error",
+            capture=capture,
+        )
         self.report.stage = Stage.WARMUP
 
     def train_start(self, trainer: pl.Trainer) -> None:
@@ -110,7 +126,9 @@ class Rollout:
         self.manager.enter_stream()
         self._capture_step = trainer.global_step + self.config.capture_after
         self._last_nonfinite_check = trainer.global_step
-        if not self.config.full_iteration:
+        if self.config.full_iteration:
+            self.manager.full_iteration().prepare_optimizers(trainer.optimizers)
+        else:
             self.manager.install()
             self._recorder = WarmupRecorder(self.resolution.targets)
 
@@ -233,6 +251,8 @@ class Rollout:
     def _parity_tolerance(self, state: StepState) -> float:
         if self.config.parity_tol is not None:
             return self.config.parity_tol
+        if self._fp8:
+            return FP8_PARITY_TOL
         dtype = state.parity[0].dtype if state.parity else torch.float32
         autocast = any(r.signature.autocast[0] for s in self.manager.sets.values() for r in s.regions.values())
         return REDUCED_PRECISION_PARITY_TOL if autocast else DEFAULT_PARITY_TOL.get(dtype, REDUCED_PRECISION_PARITY_TOL)
@@ -274,11 +294,11 @@ class Rollout:
         """Run the optimizer step as planned: eagerly, or captured then replayed."""
         plan, self._full_plan = self._full_plan, None
         if plan is None or not self.active:
-            return run_step()
+            return _eager(run_step)
         kind, key = plan
         if kind == "eager":
             self.report.count_fallback(key)
-            return run_step()
+            return _eager(run_step)
         module = trainer.lightning_module
         full = self.manager.full_iteration()
         if kind == "capture":
@@ -289,7 +309,7 @@ class Rollout:
                 full.capture(key, optimizer, run_step, module)
             except Exception as err:  # roll back loudly (or raise), then run this step eagerly
                 self._rollback(f"capture_failed: {type(err).__name__}: {err}", err)
-                return run_step()
+                return _eager(run_step)
             rank_zero_info(f"{self.component}: captured the training step for batch {describe_batch_key(key)}")
             if first:
                 self._enter_confirmation(trainer.global_step)
@@ -356,6 +376,11 @@ class Rollout:
             rank_zero_warn(f"{self.component}: CUDA graphs off ({reason}): {detail or reason}.")
         self.release()
 
+    def save_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """Keep checkpoints free of the package: optimizers are saved in the form the user built them."""
+        if self.manager is not None and self.manager.full is not None:
+            self.manager.full.plain_checkpoint(checkpoint, trainer.optimizers)
+
     def release(self) -> None:
         """Free every graph and restore everything patched (idempotent; called on every exit path)."""
         if self.manager is not None:
@@ -418,3 +443,10 @@ class Rollout:
                     f"{self.component}: {hooks} hook(s) on modules inside {target.name} fire during eager steps only,"
                     " not while it replays as a graph (hooks on the region itself keep firing)."
                 )
+
+
+def _eager(run_step: Callable[[], Any]) -> Any:
+    """Run an optimizer step eagerly; the optimizer is capturable, which PyTorch would warn about on every fit."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")
+        return run_step()

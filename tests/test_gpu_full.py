@@ -18,6 +18,9 @@ from tests.helpers import SMALL, LossRecorder, gpt, max_param_diff, parameters_o
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
 STEPS, WARMUP = 30, 3
+# The package runs AdamW in its capturable form for the whole fit (same algorithm, bias corrections computed on the
+# device in float32), so the eager reference is AdamW(capturable=True): equal arithmetic, step for step.
+CAPTURABLE = {"capturable": True}
 
 
 def graph_callback(fit: pl.Trainer) -> CUDAGraphCallback:
@@ -49,7 +52,7 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
     overrides = {"lr_step_size": 10, "lr_gamma": 0.5}
     common = {"gradient_clip_val": 0.5, "log_every_n_steps": 1}
     eager, eager_params, eager_fit, _ = _train(
-        "auto", model_overrides=overrides, logger=CSVLogger(tmp_path, name="eager"), **common
+        "auto", model_overrides={**overrides, **CAPTURABLE}, logger=CSVLogger(tmp_path, name="eager"), **common
     )
     graphed, graphed_params, fit, model = _train(
         full(), model_overrides=overrides, logger=CSVLogger(tmp_path, name="graphed"), **common
@@ -72,7 +75,7 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
 
 
 def test_bf16_mixed_matches_eager():
-    eager, _, _, _ = _train("auto", precision="bf16-mixed")
+    eager, _, _, _ = _train("auto", precision="bf16-mixed", model_overrides=CAPTURABLE)
     graphed, _, fit, _ = _train(full(), precision="bf16-mixed")
     assert graph_callback(fit).report.stage == Stage.REPLAYING
     assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 2e-2
@@ -81,7 +84,7 @@ def test_bf16_mixed_matches_eager():
 def test_16_mixed_needs_a_fused_optimizer():
     with pytest.raises(ValueError, match="fused=True"):
         _train(full(), precision="16-mixed")
-    eager, _, _, _ = _train("auto", precision="16-mixed", model_overrides={"fused": True})
+    eager, _, _, _ = _train("auto", precision="16-mixed", model_overrides={"fused": True, **CAPTURABLE})
     graphed, _, fit, _ = _train(full(), precision="16-mixed", model_overrides={"fused": True})
     assert graph_callback(fit).report.stage == Stage.REPLAYING, graph_callback(fit).report.reason
     assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 2e-2
@@ -124,8 +127,10 @@ class _SyncWindow(pl.Callback):
 
 def test_no_host_sync_in_replayed_steps():
     callback = CUDAGraphCallback(scope=["full_iteration"], warmup_steps=WARMUP)
-    window = _SyncWindow(callback, STEPS)
-    _train(full(), callbacks=[callback, window], log_every_n_steps=1000)
+    window = _SyncWindow(callback, STEPS)  # first: it opens the window before every other end-of-step hook runs
+    model, data = gpt(SMALL)
+    fit = trainer(STEPS, [window, callback], accelerator="cuda", devices=1, strategy=full(), log_every_n_steps=1000)
+    fit.fit(model, data)
     assert callback.report.stage == Stage.REPLAYING
     assert window.checked >= STEPS - WARMUP - 4
 
@@ -161,7 +166,7 @@ def test_nan_loss_is_caught_within_one_log_interval(on_failure):
             _train(strategy, model=model, callbacks=[_Poison(poison_at)], log_every_n_steps=interval)
         return
     with pytest.warns(UserWarning, match="nonfinite_loss"):
-        losses, _, fit, _ = _train(strategy, model=model, callbacks=[_Poison(poison_at)], log_every_n_steps=interval)
+        _losses, _, fit, _ = _train(strategy, model=model, callbacks=[_Poison(poison_at)], log_every_n_steps=interval)
     report = graph_callback(fit).report
     assert report.stage == Stage.DISABLED
     ((first, count),) = report.nonfinite
@@ -171,7 +176,7 @@ def test_nan_loss_is_caught_within_one_log_interval(on_failure):
 
 
 def test_ragged_batch_runs_eagerly_then_is_recaptured():
-    overrides = {"train_samples": 8 * 4 + 5, "drop_last": False}
+    overrides = {"train_samples": 8 * 4 + 5, "drop_last": False, **CAPTURABLE}
     eager, _, _, _ = _train("auto", steps=20, model_overrides=overrides)
     graphed, _, fit, _ = _train(full(), steps=20, model_overrides=overrides)
     report = graph_callback(fit).report
@@ -189,7 +194,7 @@ def test_ragged_batch_runs_eagerly_then_is_recaptured():
 def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
     common = {"limit_val_batches": 2, "val_check_interval": 5, "enable_checkpointing": True}
-    eager, _, _, _ = _train("auto", model_overrides={"val_samples": 16}, **common)
+    eager, _, _, _ = _train("auto", model_overrides={"val_samples": 16, **CAPTURABLE}, **common)
     graphed, _, fit, _ = _train(full(), callbacks=[checkpoint], model_overrides={"val_samples": 16}, **common)
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING and report.fallbacks == 0
@@ -239,7 +244,7 @@ def test_exception_releases_graphs_pool_and_optimizer():
 )
 def test_ddp_single_process_nccl(scope, warmup):
     """DDP with one process (NCCL, world size 1): DDP built on the side stream, all-reduce inside the graph."""
-    eager, eager_params, _, _ = _train(DDPStrategy(), steps=20)
+    eager, eager_params, _, _ = _train(DDPStrategy(), steps=20, model_overrides=CAPTURABLE if warmup > 3 else None)
     graphed, graphed_params, fit, _ = _train(DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup), steps=20)
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING, report.reason

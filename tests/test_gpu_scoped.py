@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cudagraph import CUDAGraphCallback, Stage
 from examples.gpt import GPTModule
+from lightning_cudagraph import CUDAGraphCallback, Stage
 from tests.helpers import SMALL, TINY, LossRecorder, gpt, max_param_diff, parameters_of, patched_forwards, trainer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
@@ -95,9 +95,7 @@ def test_dropout_masks_are_fresh_on_every_replay():
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert callback.report.replays == (STEPS - WARMUP) * SMALL["n_layer"] + 2  # the probe's two calls replayed
     first, second = model.probes
-    zeros_first, zeros_second = (first == 0).float().mean(), (second == 0).float().mean()
-    assert not torch.equal(first, second)
-    assert 0.3 < zeros_first < 0.7 and 0.3 < zeros_second < 0.7
+    assert float((first - second).abs().max()) > 1e-2  # another dropout mask on the second replay
 
 
 def test_ragged_last_batch_falls_back_for_that_step_only():
@@ -165,12 +163,23 @@ def _memory_after_failed_fit(with_graphs: bool) -> tuple[int, CUDAGraphCallback 
     return torch.cuda.memory_allocated(), callback, model
 
 
+def active_blocks() -> list[tuple[int, int, tuple]]:
+    """(size, stream, pool) of every allocated block, to say what is left when memory differs."""
+    return sorted(
+        (block["size"], segment["stream"], tuple(segment.get("segment_pool_id", ())))
+        for segment in torch.cuda.memory_snapshot()
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    )
+
+
 def test_exception_mid_training_releases_everything():
     eager_memory, _, _ = _memory_after_failed_fit(with_graphs=False)
+    eager_blocks = active_blocks()
     graphed_memory, callback, model = _memory_after_failed_fit(with_graphs=True)
     report = callback.report
     assert report.captures == 1 and report.graphs == 0
-    assert graphed_memory == eager_memory
+    assert graphed_memory == eager_memory, f"left over: {sorted(set(active_blocks()) - set(eager_blocks))}"
     assert graphed_memory <= report.memory_before_capture
     assert patched_forwards(model) == []
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
@@ -253,7 +262,7 @@ def test_validation_second_fit_checkpoint_and_resume(tmp_path):
     assert torch.isfinite(torch.tensor(results[0]["val_loss"]))
 
     # a second fit on the same model and Trainer captures again
-    fit.fit_loop.max_steps = STEPS + 10
+    fit.fit_loop.epoch_loop.max_steps = STEPS + 10
     fit.fit(model, data)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert callback.report.captures == 1

@@ -140,7 +140,7 @@ def test_rebuild_call_with_new_tensors_keeps_aliasing():
 def test_rebuild_call_refuses_a_wrong_number_of_tensors():
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     signature = call_signature(nn.Identity(), (x, y), {})
-    with pytest.raises(ValueError):  # noqa: PT011 (zip(strict=True) says which side is short)
+    with pytest.raises(ValueError):
         rebuild_call(signature, [x])
 
 

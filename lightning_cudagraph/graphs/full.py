@@ -96,6 +96,19 @@ class CapturableOptimizer:
                 lr.fill_(group["lr"])
                 group["lr"] = lr
 
+    def plain_state_dict(self, state: dict[str, Any]) -> None:
+        """Rewrite a saved ``optimizer.state_dict()`` into the form the user built, so checkpoints load anywhere."""
+        for group, saved in zip(state["param_groups"], self._saved, strict=True):
+            if isinstance(group.get("lr"), Tensor) and not isinstance(saved["lr"], Tensor):
+                group["lr"] = group["lr"].item()
+            for key in ("capturable", "fused", "foreach"):
+                if key in group:
+                    group[key] = saved[key]
+        if self._steps_on_cpu or not any(saved["capturable"] or saved["fused"] for saved in self._saved):
+            for index, entry in list(state["state"].items()):
+                if isinstance(entry.get("step"), Tensor):
+                    state["state"][index] = {**entry, "step": entry["step"].cpu()}  # a copy: the live state stays
+
     def restore(self) -> None:
         """Put learning rates back as numbers and the optimizer flags as they were."""
         for group, saved in zip(self.groups, self._saved, strict=True):
@@ -228,6 +241,13 @@ class FullIterationGraphs:
     def addresses_moved(self, key: tuple[Any, ...], module: pl.LightningModule) -> bool:
         """Whether any parameter no longer lives where the graph reads it."""
         return _parameter_addresses(module) != self.graphs[key].addresses
+
+    def plain_checkpoint(self, checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Save optimizers as the user built them (float learning rates, their own flags)."""
+        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            capturable = self.optimizers.get(id(optimizer))
+            if capturable is not None:
+                capturable.plain_state_dict(state)
 
     def release(self) -> None:
         """Reset every graph and restore the optimizers."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,12 +98,18 @@ class GraphManager:
     """Owns the side stream, the pool and every graph of one fit; :meth:`release` is the one cleanup."""
 
     def __init__(
-        self, targets: Sequence[Target], report: CUDAGraphReport, device: torch.device, strict_shapes: bool
+        self,
+        targets: Sequence[Target],
+        report: CUDAGraphReport,
+        device: torch.device,
+        strict_shapes: bool,
+        capture: Callable[..., list[Any]] = capture_regions,
     ) -> None:
         self.targets = list(targets)
         self.report = report
         self.device = device
         self.strict_shapes = strict_shapes
+        self._capture_regions = capture
         self.stream = capture_stream(device)
         self.pool = torch.cuda.graph_pool_handle()
         self.sets: dict[tuple[Any, ...], GraphSet] = {}
@@ -214,7 +220,7 @@ class GraphManager:
         modules = [call.module for call in calls]
         started = time.perf_counter()
         with training_state_preserved(self.device, modules), generator_guard(self.device), hooks_stashed(modules):
-            regions = capture_regions(calls, pool=self.pool, stream=self.stream, warmup_iters=warmup_iters)
+            regions = self._capture_regions(calls, pool=self.pool, stream=self.stream, warmup_iters=warmup_iters)
         for region in regions:
             region.on_backward = self._on_backward
             region.fast = region.signature.fast_key

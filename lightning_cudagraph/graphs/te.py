@@ -1,0 +1,147 @@
+"""Scoped capture with Transformer Engine's ``make_graphed_callables``: FP8-aware graphs of TE modules.
+
+TE's capture handles what PyTorch's cannot for FP8 layers: the FP8 autocast around each callable, amax history and
+scaling state, and TE's graph-safe RNG tracker; it also clones parameter gradients on return. The rollout still
+decides when to capture, and the manager still routes every call through the target's guard; a region here only
+wraps the forward TE builds, and :meth:`TERegion.reset` calls TE's ``reset()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from lightning_cudagraph.graphs.local import RecordedCall, tensor_addresses
+from lightning_cudagraph.signature import CallSignature, rebuild_call
+
+
+@dataclass(eq=False)
+class TERegion:
+    """A target captured by Transformer Engine: its graphed forward and TE's ``reset``."""
+
+    name: str
+    module: torch.nn.Module
+    signature: CallSignature
+    forward: Any
+    reset_graphs: Any
+    addresses: dict[str, int] = field(default_factory=dict)
+    fast: Any = None
+    parity_checked: bool = False
+    on_backward: Any = None  # TE's autograd function is its own: no backward-order record
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Replay through TE's graphed forward."""
+        return self.forward(*args, **kwargs)
+
+    def replay_forward_detached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """Replay the forward graph outside autograd and return copies of its tensor outputs."""
+        with torch.no_grad():
+            outputs = self.forward(*args, **kwargs)
+        return [leaf.clone() for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, Tensor)]
+
+    def detach_accumulated_grads(self) -> None:
+        """Nothing to do: TE clones parameter gradients on return."""
+
+    def reset(self) -> None:
+        """Free the graphs through TE's own ``reset``."""
+        if self.reset_graphs is not None:
+            self.reset_graphs()
+        self.reset_graphs = self.forward = None
+
+
+def capture_te_regions(
+    calls: Sequence[RecordedCall],
+    *,
+    pool: Any,
+    stream: torch.cuda.Stream,
+    warmup_iters: int,
+    fp8_recipe: Any | None,
+) -> list[TERegion]:
+    """Capture the calls with ``transformer_engine.pytorch.make_graphed_callables`` into one pool on ``stream``.
+
+    Args:
+        calls: Recorded calls in execution order; arguments must be tensors (positional or keyword).
+        pool: Shared graph memory pool.
+        stream: The stream to capture on (the stream eager training ran on).
+        warmup_iters: TE's warmup iterations per callable.
+        fp8_recipe: The FP8 recipe of the Trainer's ``TransformerEnginePrecision``, or ``None`` for no FP8.
+    """
+    import transformer_engine.pytorch as te
+
+    samples = [_sample_call(call) for call in calls]
+    modules = tuple(call.module for call in calls)
+    guards = [module.__dict__.pop("forward", None) for module in modules]  # TE wraps the original forward
+    try:
+        with _captured_on(stream), _autocast_of(calls[0].signature):
+            te.make_graphed_callables(
+                modules,
+                tuple(args for args, _ in samples),
+                num_warmup_iters=warmup_iters,
+                allow_unused_input=True,
+                sample_kwargs=tuple(kwargs for _, kwargs in samples),
+                enabled=fp8_recipe is not None,
+                recipe=fp8_recipe,
+                pool=pool,
+            )
+        regions = []
+        for call, module in zip(calls, modules, strict=True):
+            forward = module.__dict__.pop("forward")
+            reset = module.__dict__.pop("reset", None)
+            module.__dict__.pop("backward_dw", None)
+            regions.append(TERegion(call.name, module, call.signature, forward, reset, tensor_addresses(module)))
+        return regions
+    finally:
+        for module, guard in zip(modules, guards, strict=True):
+            for attribute in ("forward", "reset", "backward_dw"):
+                module.__dict__.pop(attribute, None)
+            if guard is not None:
+                module.forward = guard
+
+
+def _sample_call(call: RecordedCall) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
+    args, kwargs = rebuild_call(call.signature, call.samples)
+    constants = [name for name, value in kwargs.items() if not isinstance(value, Tensor)]
+    if constants or not all(isinstance(a, Tensor) for a in args):
+        raise RuntimeError(
+            f"impl='transformer_engine' graphs calls whose arguments are tensors; {call.name} is called with"
+            f" constant arguments {constants or '(positional)'}. Fix: pass them as module attributes, or use"
+            " impl='local'."
+        )
+    return tuple(args), kwargs
+
+
+@contextlib.contextmanager
+def _captured_on(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Make ``torch.cuda.graph`` (which TE calls without a stream) capture on the stream training runs on."""
+    previous = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = stream
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.graph.default_capture_stream = previous
+
+
+def _autocast_of(signature: CallSignature) -> Any:
+    enabled, dtype = signature.autocast
+    return torch.autocast("cuda", dtype=dtype, cache_enabled=False) if enabled else contextlib.nullcontext()
+
+
+def fp8_recipe_of(precision_plugin: Any) -> Any | None:
+    """The FP8 recipe of Lightning's ``TransformerEnginePrecision``, or ``None`` when the Trainer does not use FP8."""
+    from lightning.pytorch.plugins.precision import TransformerEnginePrecision
+
+    if not isinstance(precision_plugin, TransformerEnginePrecision):
+        return None
+    recipe = getattr(precision_plugin, "recipe", None)
+    if recipe is None:
+        from transformer_engine.common.recipe import DelayedScaling
+
+        recipe = DelayedScaling()
+    return recipe
