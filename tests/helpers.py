@@ -56,3 +56,15 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 def patched_forwards(module: torch.nn.Module) -> list[str]:
     return [name for name, m in module.named_modules() if "forward" in m.__dict__]
+
+
+def assert_losses_close(expected: list[float], actual: list[float], tolerance: float) -> None:
+    """Per-step losses agree within ``tolerance``; on failure, show both runs step by step."""
+    assert len(expected) == len(actual), (len(expected), len(actual))
+    worst = max(abs(a - b) for a, b in zip(expected, actual, strict=True))
+    rows = "\n".join(
+        f"{i:3d} {a:.7f} {b:.7f} {a - b:+.2e}" for i, (a, b) in enumerate(zip(expected, actual, strict=True))
+    )
+    assert worst < tolerance, (
+        f"largest per-step difference {worst:.3g} >= {tolerance:g}\nstep eager graphed diff\n{rows}"
+    )

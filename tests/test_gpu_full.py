@@ -13,7 +13,16 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from examples.gpt import GPTModule
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
-from tests.helpers import SMALL, LossRecorder, gpt, max_param_diff, parameters_of, patched_forwards, trainer
+from tests.helpers import (
+    SMALL,
+    LossRecorder,
+    assert_losses_close,
+    gpt,
+    max_param_diff,
+    parameters_of,
+    patched_forwards,
+    trainer,
+)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -61,7 +70,7 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
     assert report.stage == Stage.REPLAYING, report.reason
     assert report.captures == 1 and report.fallbacks == 0
     assert report.replays == STEPS - WARMUP
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
     assert max_param_diff(eager_params, graphed_params) < 1e-5
     # the schedule acted on the captured step, and the optimizer is plain again after release
     (group,) = fit.optimizers[0].param_groups
@@ -78,7 +87,7 @@ def test_bf16_mixed_matches_eager():
     eager, _, _, _ = _train("auto", precision="bf16-mixed", model_overrides=CAPTURABLE)
     graphed, _, fit, _ = _train(full(), precision="bf16-mixed")
     assert graph_callback(fit).report.stage == Stage.REPLAYING
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 2e-2
+    assert_losses_close(eager, graphed, 2e-2)
 
 
 def test_16_mixed_needs_a_fused_optimizer():
@@ -87,7 +96,7 @@ def test_16_mixed_needs_a_fused_optimizer():
     eager, _, _, _ = _train("auto", precision="16-mixed", model_overrides={"fused": True, **CAPTURABLE})
     graphed, _, fit, _ = _train(full(), precision="16-mixed", model_overrides={"fused": True})
     assert graph_callback(fit).report.stage == Stage.REPLAYING, graph_callback(fit).report.reason
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 2e-2
+    assert_losses_close(eager, graphed, 2e-2)
 
 
 def test_sgd_with_momentum_and_epoch_schedule():
@@ -104,7 +113,7 @@ def test_sgd_with_momentum_and_epoch_schedule():
     eager, eager_params, _, _ = run("auto")
     graphed, graphed_params, fit, _ = run(full())
     assert graph_callback(fit).report.stage == Stage.REPLAYING, graph_callback(fit).report.reason
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
     assert max_param_diff(eager_params, graphed_params) < 1e-5
 
 
@@ -183,12 +192,12 @@ def test_ragged_batch_runs_eagerly_then_is_recaptured():
     assert report.stage == Stage.REPLAYING
     assert report.fallbacks == 4  # one eager step per epoch
     assert "[5, 128]" in next(iter(report.fallback_reasons))
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
 
     recaptured, _, fit, _ = _train(full(on_shape_change="recapture"), steps=20, model_overrides=overrides)
     report = graph_callback(fit).report
     assert report.captures == 2 and report.fallbacks == 1
-    assert max(abs(a - b) for a, b in zip(eager, recaptured, strict=True)) < 1e-5
+    assert_losses_close(eager, recaptured, 1e-5)
 
 
 def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
@@ -198,7 +207,7 @@ def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
     graphed, _, fit, _ = _train(full(), callbacks=[checkpoint], model_overrides={"val_samples": 16}, **common)
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING and report.fallbacks == 0
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
 
     model, data = gpt(SMALL)
     resumed = trainer(STEPS, [], accelerator="cuda", devices=1, strategy=full())
@@ -248,5 +257,5 @@ def test_ddp_single_process_nccl(scope, warmup):
     graphed, graphed_params, fit, _ = _train(DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup), steps=20)
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING, report.reason
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
     assert max_param_diff(eager_params, graphed_params) < 1e-5

@@ -11,7 +11,17 @@ from torch import nn
 
 from examples.gpt import GPTModule
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from tests.helpers import SMALL, TINY, LossRecorder, gpt, max_param_diff, parameters_of, patched_forwards, trainer
+from tests.helpers import (
+    SMALL,
+    TINY,
+    LossRecorder,
+    assert_losses_close,
+    gpt,
+    max_param_diff,
+    parameters_of,
+    patched_forwards,
+    trainer,
+)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -42,7 +52,7 @@ def test_graphed_training_matches_eager_fp32(scope, graphs):
 
     report = callback.report
     assert report.stage == Stage.REPLAYING, report.reason
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
     assert max_param_diff(eager_params, graphed_params) < 1e-5
     assert report.graphs == 0  # released at fit end
     assert report.captures == 1
@@ -60,7 +70,7 @@ def test_graphed_training_matches_eager_mixed_precision(precision):
     graphed, _, _ = _train(SMALL, callback=callback, precision=precision)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     # Same kernels in both runs; reduced precision leaves room only for nondeterministic reductions.
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 2e-2
+    assert_losses_close(eager, graphed, 2e-2)
     assert callback.report.fallbacks == 0
 
 
@@ -71,7 +81,7 @@ def test_dropout_draws_the_masks_eager_training_draws():
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     graphed, _, _ = _train(SMALL, callback=callback, model_overrides=overrides)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-4
+    assert_losses_close(eager, graphed, 1e-4)
 
 
 class _DropoutProbe(GPTModule):
@@ -110,7 +120,7 @@ def test_ragged_last_batch_falls_back_for_that_step_only():
     (reason,) = report.fallback_reasons
     assert "[5, 128]" in reason and "[8, 128]" in reason
     assert report.replays == (steps - WARMUP - 1) * SMALL["n_layer"]
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
 
 
 def test_ragged_batch_is_captured_again_with_recapture():
@@ -123,7 +133,7 @@ def test_ragged_batch_is_captured_again_with_recapture():
     assert report.stage == Stage.REPLAYING, report.reason
     assert report.captures == 2
     assert report.fallbacks == SMALL["n_layer"]  # only its first sighting ran eagerly
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
 
 
 def test_shape_change_error_policy_raises_with_the_shapes():
@@ -140,7 +150,7 @@ def test_gradient_accumulation_and_clipping_match_eager():
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     graphed, graphed_params, _ = _train(SMALL, steps=10, callback=callback, **kwargs)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
     assert max_param_diff(eager_params, graphed_params) < 1e-5
 
 
@@ -237,7 +247,7 @@ def test_forward_pre_hooks_on_a_target_keep_firing_after_capture():
     graphed, graphed_calls = _train_with_hooks(callback)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert graphed_calls.count(True) == eager_calls.count(True) == STEPS
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
 
 
 def test_validation_second_fit_checkpoint_and_resume(tmp_path):
@@ -353,7 +363,7 @@ def test_multihead_attention_with_keyword_arguments_and_masks():
     assert report.scopes["attn"] == [f"encoder.layers.{i}.self_attn" for i in range(3)]
     assert report.stage == Stage.REPLAYING, report.reason
     assert report.fallbacks == 0
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
 
 
 def test_tiny_model_on_cuda_with_auto_scope():
@@ -388,4 +398,4 @@ def test_moe_scopes_match_eager(scope, graphs):
     assert report.stage == Stage.REPLAYING, report.reason
     assert report.replays == (STEPS - WARMUP) * graphs
     assert report.fallbacks == 0
-    assert max(abs(a - b) for a, b in zip(eager, graphed, strict=True)) < 1e-5
+    assert_losses_close(eager, graphed, 1e-5)
