@@ -159,10 +159,11 @@ def run_title(run: dict[str, Any]) -> str:
 def environment_line(run: dict[str, Any]) -> str:
     """Where and how a run was measured, from its ``environment``."""
     env = run.get("environment", {})
+    versions = f"torch {env.get('torch', MISSING)}, lightning {env.get('lightning', MISSING)}"
     timed = f"{run.get('steps', MISSING)} steps per variant, the first {run.get('skip', MISSING)} not timed"
     return (
-        f"{env.get('gpu', 'unknown GPU')}, torch {env.get('torch', MISSING)}, lightning {env.get('lightning', MISSING)},"
-        f" {env.get('date', MISSING)}; {timed}; measured by `{env.get('command', MISSING)}`"
+        f"{env.get('gpu', 'unknown GPU')}, {versions}, {env.get('date', MISSING)}; {timed};"
+        f" measured by `{env.get('command', MISSING)}`"
     )
 
 

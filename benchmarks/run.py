@@ -1,22 +1,50 @@
-"""Measure every way of training the same model, in one process: ``python benchmarks/run.py --config small``.
+"""Measure every way of training the same model, in one process.
 
-Prints a Markdown table and writes ``results.json`` and ``results.md`` (and charts with ``--charts``) to ``--out``.
-On a machine without CUDA it says so and exits.
+    python benchmarks/run.py --config small     # one config and precision (--precision, --variants)
+    python benchmarks/run.py --sweep batch      # batch sizes 1..64 on the small config
+    python benchmarks/run.py --suite readme     # every figure of the README, then the report
+
+Every run writes its measurements and the environment (GPU, versions, date, the command line) as JSON to
+``--out``, prints its Markdown table, and regenerates ``RESULTS.md`` and the PNG charts there from all the JSON of
+that directory (``python benchmarks/report.py DIR`` does the same without a GPU). On a machine without CUDA it says
+so and exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import platform
+import shlex
 import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import date
+from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from benchmarks.variants import CONFIGS, LIGHTNING_VARIANTS, PYTORCH_VARIANTS, Result, run_variant
+from benchmarks import report
+from benchmarks.variants import (
+    CONFIGS,
+    LIGHTNING_VARIANTS,
+    MOE_VARIANTS,
+    PYTORCH_VARIANTS,
+    Result,
+    run_variant,
+    te_available,
+    variants_for,
+)
+
+SCHEMA_VERSION = 1
+BENCH_DIR = Path(__file__).resolve().parent
+NEEDS_CUDA = "benchmarks/run.py measures CUDA graphs and needs a CUDA GPU; none is visible here."
 
 DEFAULT_VARIANTS = (
     "eager",
@@ -29,89 +57,277 @@ DEFAULT_VARIANTS = (
     "pytorch_block_graphs",
     "pytorch_full_graph",
 )
+SWEEP_VARIANTS = ("eager", "layer", "full_iteration", "pytorch_full_graph")
+SWEEP_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+COMPILE_VARIANTS = ("compile_default", "compile_reduce_overhead")
+KNOWN_VARIANTS = frozenset((*LIGHTNING_VARIANTS, *PYTORCH_VARIANTS, *MOE_VARIANTS))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One config and precision, measured over a list of variants with the same step counts."""
+
+    config: str
+    precision: str
+    variants: tuple[str, ...]
+    steps: int = 80
+    skip: int = 20
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """Variants of one config measured at several batch sizes."""
+
+    config: str
+    precision: str
+    variants: tuple[str, ...] = SWEEP_VARIANTS
+    batch_sizes: tuple[int, ...] = SWEEP_BATCH_SIZES
+    steps: int = 50
+    skip: int = 20
+    sweep: str = "batch"
+
+
+Spec = RunSpec | SweepSpec
+
+
+def readme_plan(te: bool) -> list[Spec]:
+    """The runs behind every figure of the README (``--suite readme``).
+
+    Args:
+        te: Transformer Engine is importable (``te_layer`` is measured only then).
+    """
+    small = [v for v in variants_for(CONFIGS["small"]) if v != "te_layer" or te]
+    return [
+        RunSpec("small", "32-true", compile_last(small)),
+        RunSpec(
+            "small",
+            "bf16-mixed",
+            compile_last(["eager", "layer", "full_iteration", "compile_reduce_overhead", "pytorch_full_graph"]),
+        ),
+        RunSpec("medium", "32-true", ("eager", "layer", "full_iteration", "pytorch_full_graph"), steps=30, skip=10),
+        RunSpec("moe", "32-true", MOE_VARIANTS),
+        SweepSpec("small", "32-true"),
+    ]
+
+
+SUITES = {"readme": readme_plan}
+
+
+def compile_last(variants: Sequence[str]) -> tuple[str, ...]:
+    """The variants with the ``torch.compile`` ones moved to the end (their compile threads and caches stay)."""
+    return (*(v for v in variants if v not in COMPILE_VARIANTS), *(v for v in variants if v in COMPILE_VARIANTS))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line (exits with code 2 on an unknown variant or a conflicting option)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--suite", choices=sorted(SUITES), help="run a named plan of configs, variants and sweeps")
+    mode.add_argument("--sweep", choices=["batch"], help="measure --variants at every --batch-sizes")
+    parser.add_argument("--config", choices=sorted(CONFIGS), help="default: small")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], help="default: 32-true")
+    parser.add_argument("--variants", help="comma-separated, or 'all' (default: the usual ones of the config)")
+    parser.add_argument("--batch-sizes", help=f"for --sweep batch (default: {','.join(map(str, SWEEP_BATCH_SIZES))})")
+    steps_help = f"training steps per variant (default: {RunSpec.steps}, sweeps {SweepSpec.steps})"
+    parser.add_argument("--steps", type=int, help=steps_help)
+    skip_help = f"steps left out of the timing: warmup, capture (default: {RunSpec.skip}, sweeps {SweepSpec.skip})"
+    parser.add_argument("--skip", type=int, help=skip_help)
+    parser.add_argument(
+        "--out", help="results directory (default: benchmarks/results with --suite, else benchmarks/out)"
+    )
+    args = parser.parse_args(argv)
+    fixed = ("config", "precision", "variants", "batch_sizes", "steps", "skip")
+    if args.suite and any(getattr(args, name) is not None for name in fixed):
+        parser.error("--suite fixes its own configs, variants and step counts; pass only --out with it")
+    if args.batch_sizes and not args.sweep:
+        parser.error("--batch-sizes goes with --sweep batch")
+    if not all(b.isdigit() and int(b) > 0 for b in _split(args.batch_sizes)):
+        parser.error(f"--batch-sizes takes positive integers separated by commas, not {args.batch_sizes!r}")
+    spec = SweepSpec if args.sweep else RunSpec
+    steps, skip = _or(args.steps, spec.steps), _or(args.skip, spec.skip)
+    if not 0 <= skip < steps:
+        parser.error(f"--skip must be at least 0 and below --steps so that some steps are timed (got {skip}, {steps})")
+    unknown = sorted(set(_split(args.variants)) - KNOWN_VARIANTS - {"all"})
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_VARIANTS))}")
+    return args
+
+
+def build_plan(args: argparse.Namespace) -> list[Spec]:
+    """What to measure, from the parsed command line."""
+    if args.suite:
+        return SUITES[args.suite](te_available())
+    config = args.config or "small"
+    precision = args.precision or "32-true"
+    steps = {} if args.steps is None else {"steps": args.steps}
+    skip = {} if args.skip is None else {"skip": args.skip}
+    if args.sweep:
+        variants = _variants(args.variants, config, SWEEP_VARIANTS)
+        batch_sizes = tuple(int(b) for b in _split(args.batch_sizes)) or SWEEP_BATCH_SIZES
+        return [SweepSpec(config, precision, variants, batch_sizes, **steps, **skip, sweep=args.sweep)]
+    default = MOE_VARIANTS if "experts" in CONFIGS[config] else DEFAULT_VARIANTS
+    return [RunSpec(config, precision, _variants(args.variants, config, default), **steps, **skip)]
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """``--out``, or the default directory of the mode."""
+    if args.out:
+        return Path(args.out)
+    return BENCH_DIR / ("results" if args.suite else "out")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default="small", choices=sorted(CONFIGS))
-    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, or 'all'")
-    parser.add_argument("--steps", type=int, default=80, help="training steps per variant")
-    parser.add_argument("--skip", type=int, default=20, help="steps left out of the timing (warmup, capture)")
-    parser.add_argument("--out", default="benchmarks/out")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/run.py measures CUDA graphs and needs a CUDA GPU; none is visible here.")
+        print(NEEDS_CUDA)
         return 2
-    names = (*LIGHTNING_VARIANTS, *PYTORCH_VARIANTS) if args.variants == "all" else args.variants.split(",")
-    config = CONFIGS[args.config]
-    results = []
-    for name in names:
-        result = run_variant(name, config, args.precision, args.steps, args.skip)
-        results.append(result)
-        print(f"{name:>26}: {result.median_ms:8.3f} ms/step  {result.note}", flush=True)
-    table = markdown_table(results, args)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    stem = f"{args.config}_{args.precision}"
-    with open(os.path.join(args.out, f"{stem}.json"), "w") as handle:
-        json.dump(
-            {"environment": environment(), "args": vars(args), "results": [as_dict(r) for r in results]},
-            handle,
-            indent=2,
-        )
-    with open(os.path.join(args.out, f"{stem}.md"), "w") as handle:
-        handle.write(table + "\n")
+    plan = build_plan(args)
+    out = output_dir(args)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    started = time.perf_counter()
+    for index, spec in enumerate(plan, 1):
+        print(f"[{index}/{len(plan)}] {describe(spec)}", flush=True)
+        record = measure_sweep(spec, env) if isinstance(spec, SweepSpec) else measure_run(spec, env)
+        path = write_record(record, out)
+        section = report.sweep_section if isinstance(spec, SweepSpec) else report.run_section
+        print(section(record), f"wrote {path}", sep="\n", flush=True)
+    for path in report.write_report(out):
+        print(f"wrote {path}")
+    print(f"measured in {(time.perf_counter() - started) / 60:.1f} min")
     return 0
 
 
+def describe(spec: Spec) -> str:
+    """One line naming what a spec measures."""
+    what = f"{spec.config} {spec.precision}: {len(spec.variants)} variants, {spec.steps} steps ({spec.skip} untimed)"
+    if isinstance(spec, SweepSpec):
+        return f"{spec.sweep} sweep over {', '.join(map(str, spec.batch_sizes))}; {what}"
+    return what
+
+
+def measure_run(spec: RunSpec, env: dict[str, str]) -> dict[str, Any]:
+    """Measure each variant of a run once; the run's JSON record."""
+    config = CONFIGS[spec.config]
+    started = time.perf_counter()
+    results = []
+    for name in spec.variants:
+        result = run_variant(name, config, spec.precision, spec.steps, spec.skip)
+        results.append(as_dict(result, config["batch_size"]))
+        print(progress_line(result), flush=True)
+    return make_record(spec, env, results, time.perf_counter() - started)
+
+
+def measure_sweep(spec: SweepSpec, env: dict[str, str]) -> dict[str, Any]:
+    """Measure each variant at each batch size, with a progress bar over the points; the sweep's JSON record."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    results = []
+    points = [(batch, name) for batch in spec.batch_sizes for name in spec.variants]
+    bar = tqdm(points, desc=f"{spec.sweep} sweep", unit="point", dynamic_ncols=True)
+    for batch, name in bar:
+        bar.set_postfix_str(f"batch {batch}, {name}")
+        config = {**CONFIGS[spec.config], "batch_size": batch}
+        result = run_variant(name, config, spec.precision, spec.steps, spec.skip)
+        results.append(as_dict(result, batch))
+        bar.write(f"batch {batch:>3} {progress_line(result)}")
+    bar.close()
+    return make_record(spec, env, results, time.perf_counter() - started)
+
+
+def progress_line(result: Result) -> str:
+    """The line printed as each variant finishes."""
+    return f"{result.variant:>26}: {result.median_ms:8.3f} ms/step  {result.note}"
+
+
+def make_record(spec: Spec, env: dict[str, str], results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """The JSON record of a run or sweep: what was measured, where, how, and the results."""
+    sweep = isinstance(spec, SweepSpec)
+    return {
+        "schema": SCHEMA_VERSION,
+        "kind": "sweep" if sweep else "table",
+        "sweep": spec.sweep if sweep else None,
+        "config": spec.config,
+        "precision": spec.precision,
+        "batch_size": None if sweep else CONFIGS[spec.config]["batch_size"],
+        "batch_sizes": list(spec.batch_sizes) if sweep else None,
+        "model": CONFIGS[spec.config],
+        "variants": list(spec.variants),
+        "steps": spec.steps,
+        "skip": spec.skip,
+        "wall_s": round(wall_s, 1),
+        "environment": env,
+        "results": results,
+    }
+
+
+def record_name(record: dict[str, Any]) -> str:
+    """The JSON file name of a record: ``small_32-true.json``, ``sweep_batch_small_32-true.json``."""
+    stem = f"{record['config']}_{record['precision']}"
+    return f"sweep_{record['sweep']}_{stem}.json" if record["kind"] == "sweep" else f"{stem}.json"
+
+
+def write_record(record: dict[str, Any], out: Path) -> Path:
+    """Write a record as strict JSON (non-finite figures as ``null``) into ``out``."""
+    path = out / record_name(record)
+    with path.open("w") as handle:
+        json.dump(record, handle, indent=2, allow_nan=False)
+        handle.write("\n")
+    return path
+
+
 def environment() -> dict[str, str]:
+    """GPU, versions, date and the exact command line of this process."""
     import lightning
 
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
         "lightning": lightning.__version__,
+        "python": platform.python_version(),
         "date": date.today().isoformat(),
+        "command": shlex.join(sys.orig_argv),
     }
 
 
-def as_dict(result: Result) -> dict[str, object]:
+def as_dict(result: Result, batch_size: int) -> dict[str, object]:
+    """A result as JSON-ready figures (non-finite ones as ``None``)."""
     low, high = result.spread_ms
     return {
         "variant": result.variant,
-        "median_ms": result.median_ms,
-        "p25_ms": low,
-        "p75_ms": high,
+        "batch_size": batch_size,
+        "median_ms": _finite_or_none(result.median_ms),
+        "p25_ms": _finite_or_none(low),
+        "p75_ms": _finite_or_none(high),
         "steps_timed": len(result.step_ms),
-        "peak_mib": result.peak_mib,
-        "pool_mib": result.pool_mib,
-        "capture_ms": result.capture_ms,
+        "peak_mib": _finite_or_none(result.peak_mib),
+        "pool_mib": _finite_or_none(result.pool_mib),
+        "capture_ms": _finite_or_none(result.capture_ms),
         "replays": result.replays,
         "fallbacks": result.fallbacks,
-        "final_loss": result.final_loss,
+        "final_loss": _finite_or_none(result.final_loss),
         "note": result.note,
     }
 
 
-def markdown_table(results: list[Result], args: argparse.Namespace) -> str:
-    by_name = {r.variant: r for r in results}
-    eager = by_name.get("eager")
-    rows = [
-        f"{args.config} config, {args.precision}, {environment()['gpu']}, torch {torch.__version__}",
-        "",
-        "| variant | median ms/step | p25-p75 | vs eager Lightning | peak MiB | graph pool MiB | capture ms"
-        " | final loss | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in results:
-        low, high = r.spread_ms
-        speedup = eager.median_ms / r.median_ms if eager and r.median_ms == r.median_ms else float("nan")
-        rows.append(
-            f"| {r.variant} | {r.median_ms:.3f} | {low:.2f}-{high:.2f} | {speedup:.2f}x | {r.peak_mib:.0f} |"
-            f" {r.pool_mib:.1f} | {r.capture_ms:.0f} | {r.final_loss:.4f} | {r.note} |"
-        )
-    return "\n".join(rows)
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _split(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _variants(text: str | None, config: str, default: Sequence[str]) -> tuple[str, ...]:
+    if text == "all":
+        return tuple(variants_for(CONFIGS[config]))
+    return tuple(_split(text)) or tuple(default)
 
 
 if __name__ == "__main__":

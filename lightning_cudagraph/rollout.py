@@ -30,7 +30,7 @@ from lightning_cudagraph.scopes import ScopeResolution, candidate_names, resolve
 from lightning_cudagraph.signature import batch_key, describe_batch_key
 
 #: Relative parity tolerance by the graphed output's dtype, when ``parity_tol`` is not given.
-DEFAULT_PARITY_TOL = {torch.float32: 1e-4, torch.float64: 1e-6}
+DEFAULT_PARITY_TOL = 1e-4
 REDUCED_PRECISION_PARITY_TOL = 2e-2
 FP8_PARITY_TOL = 0.125  # E4M3 keeps 3 mantissa bits
 
@@ -57,6 +57,7 @@ class Rollout:
         self._last_logged = -1
         self._last_nonfinite_check = 0
         self._fp8 = False
+        self._autocast = False
 
     @property
     def stage(self) -> Stage:
@@ -207,6 +208,7 @@ class Rollout:
         first = self.stage == Stage.WARMUP
         if first:
             self._note_eager_time()
+        self._autocast = self._autocast or any(call.signature.autocast[0] for call in calls)
         try:
             self.manager.capture(key, calls)
         except Exception as err:  # a failed capture must not end training silently, nor leak anything
@@ -253,9 +255,7 @@ class Rollout:
             return self.config.parity_tol
         if self._fp8:
             return FP8_PARITY_TOL
-        dtype = state.parity[0].dtype if state.parity else torch.float32
-        autocast = any(r.signature.autocast[0] for s in self.manager.sets.values() for r in s.regions.values())
-        return REDUCED_PRECISION_PARITY_TOL if autocast else DEFAULT_PARITY_TOL.get(dtype, REDUCED_PRECISION_PARITY_TOL)
+        return REDUCED_PRECISION_PARITY_TOL if self._autocast else DEFAULT_PARITY_TOL
 
     # =================================================================== full iteration (called by the strategy)
     def plan_full_step(self, trainer: pl.Trainer, batch: Any) -> Any:
