@@ -25,10 +25,12 @@ RESULTS_FILE = "RESULTS.md"
 
 #: The variant every "vs eager Lightning" ratio divides.
 BASELINE = "eager"
+#: Transformer Engine runs compare TE graphs with the same TE model trained eagerly.
+TE_BASELINE = "te_eager"
 #: Variants that capture part of the model, compared with the hand-written per-block capture.
 SCOPED_VARIANTS = frozenset({"attn", "mlp", "attn+mlp", "layer", "te_layer", "moe_router+preprocess"})
 #: Variants that run no CUDA graph at all (left out of "do graphs pay" verdicts).
-NO_GRAPH_VARIANTS = frozenset({"eager", "pytorch_eager", "compile_default"})
+NO_GRAPH_VARIANTS = frozenset({"eager", "te_eager", "pytorch_eager", "compile_default"})
 #: A speedup below this is "graphs gain little" in the verdicts.
 GAIN_THRESHOLD = 1.05
 
@@ -66,13 +68,15 @@ def precision_label(precision: str) -> str:
 
 
 def load_runs(results_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every run record (a JSON file with ``results``) in a directory, in report order."""
+    """The run records (JSON files of ``benchmarks/run.py``) in a directory, in report order; others are skipped."""
     runs = []
     for path in sorted(Path(results_dir).glob("*.json")):
         with path.open() as handle:
             record = json.load(handle)
-        if isinstance(record, dict) and "results" in record:
+        if isinstance(record, dict) and {"schema", "config", "precision", "results"} <= record.keys():
             runs.append({**record, "file": path.name})
+        else:
+            print(f"skipped {path}: not a results record of benchmarks/run.py", file=sys.stderr)
     return sorted(runs, key=_run_order)
 
 
@@ -85,13 +89,23 @@ def medians(run: dict[str, Any], batch_size: int | None = None) -> dict[str, flo
     }
 
 
-def best_graph_speedup(run: dict[str, Any]) -> tuple[str, float] | None:
-    """The graph variant with the largest speedup over eager Lightning, and that speedup."""
+def is_handwritten(variant: str) -> bool:
+    """Whether a variant is hand-written code that does not use the package (``pytorch_*``, ``handwritten_*``)."""
+    return variant.startswith(("pytorch_", "handwritten_"))
+
+
+def best_graph_speedup(run: dict[str, Any], handwritten: bool = True) -> tuple[str, float] | None:
+    """The graph variant with the largest speedup over eager Lightning, and that speedup.
+
+    Args:
+        run: A run record.
+        handwritten: Consider the hand-written variants too (``False``: Lightning variants only).
+    """
     by_variant = medians(run)
     speedups = {
-        variant: ratio(by_variant.get(BASELINE), ms)
+        variant: ratio(by_variant.get(baseline_of(by_variant)), ms)
         for variant, ms in by_variant.items()
-        if variant not in NO_GRAPH_VARIANTS
+        if variant not in NO_GRAPH_VARIANTS and (handwritten or not is_handwritten(variant))
     }
     measured = {variant: s for variant, s in speedups.items() if s is not None}
     if not measured:
@@ -105,8 +119,8 @@ def verdict(run: dict[str, Any], threshold: float = GAIN_THRESHOLD) -> str:
     best = best_graph_speedup(run)
     if best is None:
         return "no verdict: eager Lightning or every graph variant is missing"
-    variant, speedup = best
-    gain = f"best `{variant}`: {speedup:.2f}x eager Lightning"
+    speedup = best[1]
+    gain = _gain(best, best_graph_speedup(run, handwritten=False))
     if speedup < 1.0:
         line = f"graphs do not pay here: every graph variant is slower than eager Lightning ({gain})"
     elif speedup < threshold:
@@ -114,6 +128,13 @@ def verdict(run: dict[str, Any], threshold: float = GAIN_THRESHOLD) -> str:
     else:
         line = f"host-bound: graphs pay ({gain})"
     return line + _full_iteration_gap(run)
+
+
+def _gain(best: tuple[str, float], best_lightning: tuple[str, float] | None) -> str:
+    if best_lightning is None:
+        return f"best `{best[0]}`: {best[1]:.2f}x eager Lightning"
+    text = f"best Lightning variant `{best_lightning[0]}`: {best_lightning[1]:.2f}x eager Lightning"
+    return text if best == best_lightning else f"{text}; hand-written `{best[0]}`: {best[1]:.2f}x"
 
 
 def _full_iteration_gap(run: dict[str, Any]) -> str:
@@ -136,8 +157,8 @@ def table_markdown(run: dict[str, Any]) -> str:
         cells = [
             r["variant"],
             _number(r.get("median_ms"), 3),
-            f"{_number(r.get('p25_ms'), 2)}-{_number(r.get('p75_ms'), 2)}",
-            _times(ratio(by_variant.get(BASELINE), r.get("median_ms"))),
+            _spread(r.get("p25_ms"), r.get("p75_ms")),
+            _times(ratio(by_variant.get(baseline_of(by_variant)), r.get("median_ms"))),
             _times(ratio(by_variant.get(reference), r.get("median_ms"))) if reference else MISSING,
             _number(r.get("peak_mib"), 0),
             _number(r.get("pool_mib"), 1),
@@ -191,7 +212,7 @@ def sweep_speedups(run: dict[str, Any], variant: str) -> list[float | None]:
     points = []
     for batch in sweep_batch_sizes(run):
         by_variant = medians(run, batch)
-        points.append(ratio(by_variant.get(BASELINE), by_variant.get(variant)))
+        points.append(ratio(by_variant.get(baseline_of(by_variant)), by_variant.get(variant)))
     return points
 
 
@@ -227,7 +248,7 @@ def sweep_table(run: dict[str, Any]) -> str:
     for batch in sweep_batch_sizes(run):
         by_variant = medians(run, batch)
         cells = [str(batch), *(_number(by_variant.get(v), 3) for v in variants)]
-        cells += [_times(ratio(by_variant.get(BASELINE), by_variant.get(v))) for v in graphed]
+        cells += [_times(ratio(by_variant.get(baseline_of(by_variant)), by_variant.get(v))) for v in graphed]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -261,7 +282,7 @@ def bar_chart(run: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     values = [r["median_ms"] for r in rows]
     low = [max(0.0, r["median_ms"] - _or(r.get("p25_ms"), r["median_ms"])) for r in rows]
     high = [max(0.0, _or(r.get("p75_ms"), r["median_ms"]) - r["median_ms"]) for r in rows]
-    eager = medians(run).get(BASELINE)
+    eager = medians(run).get(baseline_of(medians(run)))
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
     positions = range(len(rows))
     ax.barh(positions, values, xerr=[low, high], color=[_bar_color(n) for n in names], capsize=3)
@@ -287,9 +308,9 @@ def sweep_chart(run: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             continue
         points = [(b, s) for b, s in zip(batch_sizes, sweep_speedups(run, variant), strict=True) if s is not None]
         if points:
-            style = "--" if variant.startswith("pytorch_") else "-"
+            style = "--" if is_handwritten(variant) else "-"
             ax.plot(*zip(*points, strict=True), style, marker="o", label=variant)
-    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.axhline(1.0, color="grey", linewidth=1, label=f"{BASELINE} (1.0)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
     ax.set_xlabel("batch size")
@@ -391,7 +412,7 @@ def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
 def _bar_color(variant: str) -> str:
     if variant == BASELINE:
         return "tab:gray"
-    if variant.startswith(("pytorch_", "handwritten_")):
+    if is_handwritten(variant):
         return "tab:orange"
     if variant.startswith("compile_"):
         return "tab:green"
@@ -422,9 +443,18 @@ def _number(value: float | None, digits: int) -> str:
     return f"{value:.{digits}f}" if _finite(value) else MISSING
 
 
+def _spread(low: float | None, high: float | None) -> str:
+    return f"{low:.2f}-{high:.2f}" if _finite(low) and _finite(high) else MISSING
+
+
 def _times(value: float | None) -> str:
     return MISSING if value is None else f"{value:.2f}x"
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def baseline_of(by_variant: dict[str, Any]) -> str:
+    """The variant speedups divide: eager Lightning, or the eager TE model in a Transformer Engine run."""
+    return TE_BASELINE if BASELINE not in by_variant and TE_BASELINE in by_variant else BASELINE

@@ -29,6 +29,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
+from tqdm import tqdm
 
 from benchmarks import report
 from benchmarks.variants import (
@@ -36,7 +37,9 @@ from benchmarks.variants import (
     LIGHTNING_VARIANTS,
     MOE_VARIANTS,
     PYTORCH_VARIANTS,
+    TE_VARIANTS,
     Result,
+    model_args,
     run_variant,
     te_available,
     variants_for,
@@ -96,8 +99,10 @@ def readme_plan(te: bool) -> list[Spec]:
     Args:
         te: Transformer Engine is importable (``te_layer`` is measured only then).
     """
-    small = [v for v in variants_for(CONFIGS["small"]) if v != "te_layer" or te]
+    small = [v for v in variants_for(CONFIGS["small"]) if v not in TE_VARIANTS]
+    te_runs = [RunSpec("small", precision, TE_VARIANTS) for precision in ("bf16-mixed", "transformer-engine")]
     return [
+        *(te_runs if te else []),
         RunSpec("small", "32-true", compile_last(small)),
         RunSpec(
             "small",
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(section(record), f"wrote {path}", sep="\n", flush=True)
     for path in report.write_report(out):
         print(f"wrote {path}")
-    print(f"measured in {(time.perf_counter() - started) / 60:.1f} min")
+    print(f"finished in {(time.perf_counter() - started) / 60:.1f} min")
     return 0
 
 
@@ -220,8 +225,6 @@ def measure_run(spec: RunSpec, env: dict[str, str]) -> dict[str, Any]:
 
 def measure_sweep(spec: SweepSpec, env: dict[str, str]) -> dict[str, Any]:
     """Measure each variant at each batch size, with a progress bar over the points; the sweep's JSON record."""
-    from tqdm import tqdm
-
     started = time.perf_counter()
     results = []
     points = [(batch, name) for batch in spec.batch_sizes for name in spec.variants]
@@ -252,7 +255,7 @@ def make_record(spec: Spec, env: dict[str, str], results: list[dict[str, Any]], 
         "precision": spec.precision,
         "batch_size": None if sweep else CONFIGS[spec.config]["batch_size"],
         "batch_sizes": list(spec.batch_sizes) if sweep else None,
-        "model": CONFIGS[spec.config],
+        "model": model_args(CONFIGS[spec.config]),
         "variants": list(spec.variants),
         "steps": spec.steps,
         "skip": spec.skip,

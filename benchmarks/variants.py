@@ -44,6 +44,7 @@ SCOPE_VARIANTS = {
 #: Where ``te_layer`` finds the Transformer Engine GPT (written separately; optional).
 TE_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "te_gpt.py")
 TE_SKIPPED = "skipped: Transformer Engine not installed"
+TE_VARIANTS = ("te_eager", "te_layer")
 
 
 @dataclass
@@ -133,6 +134,8 @@ def lightning_variant(name: str, config: dict[str, Any], precision: str, steps: 
     elif name == "te_layer":
         graph_callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=3)
         callbacks.append(graph_callback)
+    elif name == "te_eager":
+        pass  # the Transformer Engine GPT without graphs (module_class picks it)
     elif name == "handwritten_layer":
         handwritten = HandwrittenBlockGraphs(warmup_steps=3)
         callbacks.append(handwritten)
@@ -243,6 +246,7 @@ LIGHTNING_VARIANTS = (
     "compile_default",
     "compile_reduce_overhead",
     "te_layer",
+    "te_eager",
 )
 PYTORCH_VARIANTS = ("pytorch_eager", "pytorch_block_graphs", "pytorch_full_graph")
 #: The variants of the MoE config (its graph scopes are the router and the token dispatch).
@@ -274,7 +278,7 @@ def run_variant(name: str, config: dict[str, Any], precision: str, steps: int, s
 
 def failure_note(name: str, err: Exception) -> str:
     """The note of a variant that could not run: skipped (``te_layer`` without Transformer Engine) or failed."""
-    if name == "te_layer" and isinstance(err, ImportError):
+    if name in TE_VARIANTS and isinstance(err, ImportError):
         missing_te = (err.name or "").split(".")[0] == "transformer_engine"
         return TE_SKIPPED if missing_te else f"{TE_SKIPPED} ({type(err).__name__}: {str(err)[:120]})"
     return f"failed: {type(err).__name__}: {str(err)[:160]}"
@@ -286,7 +290,7 @@ def module_class(config: dict[str, Any], variant: str = "eager") -> type[GPTModu
     Raises:
         ImportError: ``te_layer`` without Transformer Engine (the variant is reported as skipped).
     """
-    if variant == "te_layer":
+    if variant in TE_VARIANTS:
         return _te_module_class()
     return MoEGPTModule if "experts" in config else GPTModule
 
