@@ -68,3 +68,26 @@ def assert_losses_close(expected: list[float], actual: list[float], tolerance: f
     assert worst < tolerance, (
         f"largest per-step difference {worst:.3g} >= {tolerance:g}\nstep eager graphed diff\n{rows}"
     )
+
+
+def settled_memory() -> int:
+    """``memory_allocated()`` once garbage and library workspaces are cleared."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def graph_pool_bytes() -> int:
+    """Bytes still allocated in private (graph) memory pools: zero once every graph is released."""
+    return sum(
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    )

@@ -69,11 +69,9 @@ class CapturableOptimizer:
         ]
         self._steps_on_cpu = False
         for group in self.groups:
-            if group.get("fused"):
-                pass
-            elif "capturable" in group:
-                group["capturable"] = True
-            else:
+            if "capturable" in group:
+                group["capturable"] = True  # fused Adam checks the flag under capture as well
+            elif not group.get("fused"):
                 group["fused"], group["foreach"] = True, False
             if not isinstance(group["lr"], Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
@@ -175,6 +173,12 @@ class FullIterationGraphs:
         """Whether a step is being captured right now (``training_step`` runs once, into the graph)."""
         return self._capturing is not None
 
+    def prepare_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Switch optimizers to their capturable form for the whole fit, so their arithmetic never changes mid-run."""
+        for optimizer in optimizers:
+            if id(optimizer) not in self.optimizers:
+                self.optimizers[id(optimizer)] = CapturableOptimizer(optimizer, self.device)
+
     def capture(
         self,
         key: tuple[Any, ...],
@@ -184,8 +188,7 @@ class FullIterationGraphs:
     ) -> None:
         """Capture ``run_step`` (Lightning's optimizer step with its closure) as the graph for ``key``."""
         step = self.graphs[key]
-        if id(optimizer) not in self.optimizers:
-            self.optimizers[id(optimizer)] = CapturableOptimizer(optimizer, self.device)
+        self.prepare_optimizers([optimizer])
         graph = torch.cuda.CUDAGraph()
         started = time.perf_counter()
         self._capturing = step
