@@ -15,9 +15,11 @@ from tests.helpers import (
     LossRecorder,
     assert_losses_close,
     gpt,
+    graph_pool_bytes,
     max_param_diff,
     parameters_of,
     patched_forwards,
+    settled_memory,
     trainer,
 )
 

@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from tests.helpers import SMALL, LossRecorder, assert_losses_close, gpt, patched_forwards, trainer
+from tests.helpers import (
+    SMALL,
+    LossRecorder,
+    assert_losses_close,
+    gpt,
+    graph_pool_bytes,
+    patched_forwards,
+    settled_memory,
+    trainer,
+)
 
 te = pytest.importorskip("transformer_engine.pytorch")
 pytestmark = [pytest.mark.cuda, pytest.mark.te, pytest.mark.timeout(300)]
