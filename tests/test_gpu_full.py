@@ -59,7 +59,9 @@ def _logged_losses(fit: pl.Trainer) -> dict[int, float]:
 
 
 def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
-    overrides = {"lr_step_size": 10, "lr_gamma": 0.5}
+    # lr 3e-4: at 1e-3 this model spikes around step 9, which amplifies the last-bit differences of
+    # nondeterministic kernels (embedding backward uses atomics) far beyond 1e-5, between two eager runs as well.
+    overrides = {"lr_step_size": 10, "lr_gamma": 0.5, "lr": 3e-4}
     common = {"gradient_clip_val": 0.5, "log_every_n_steps": 1}
     eager, eager_params, eager_fit, _ = _train(
         "auto", model_overrides={**overrides, **CAPTURABLE}, logger=CSVLogger(tmp_path, name="eager"), **common
@@ -85,8 +87,9 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
 
 
 def test_bf16_mixed_matches_eager():
-    eager, _, _, _ = _train("auto", precision="bf16-mixed", model_overrides=CAPTURABLE)
-    graphed, _, fit, _ = _train(full(), precision="bf16-mixed")
+    # bf16 kernels with atomics differ run to run (two eager runs too); 12 steps keep that drift below bf16 tolerance
+    eager, _, _, _ = _train("auto", steps=12, precision="bf16-mixed", model_overrides=CAPTURABLE)
+    graphed, _, fit, _ = _train(full(), steps=12, precision="bf16-mixed")
     assert graph_callback(fit).report.stage == Stage.REPLAYING
     assert_losses_close(eager, graphed, 2e-2)
 
@@ -230,20 +233,21 @@ def test_exception_releases_graphs_pool_and_optimizer():
         fit = trainer(STEPS, [Boom()], accelerator="cuda", devices=1, strategy=full())
         with pytest.raises(RuntimeError, match="boom"):
             fit.fit(model, data)
-        report, optimizer = graph_callback(fit).report, fit.optimizers[0]
-        del fit
-        return settled_memory(), report, optimizer, model
+        (group,) = fit.optimizers[0].param_groups
+        assert isinstance(group["lr"], float)
+        assert not group["capturable"]
+        assert patched_forwards(model) == []
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        report = graph_callback(fit).report
+        del fit, model, data, group
+        return settled_memory(), report
 
-    first, report, optimizer, model = failed_fit()
-    second, _, _, _ = failed_fit()
+    first, report = failed_fit()
+    second, _ = failed_fit()
     assert report.captures == 1
     assert report.graphs == 0
     assert graph_pool_bytes() == 0
     assert second == first
-    assert isinstance(optimizer.param_groups[0]["lr"], float)
-    assert not optimizer.param_groups[0]["capturable"]
-    assert patched_forwards(model) == []
-    assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 
 @pytest.mark.parametrize(
@@ -251,8 +255,11 @@ def test_exception_releases_graphs_pool_and_optimizer():
 )
 def test_ddp_single_process_nccl(scope, warmup):
     """DDP with one process (NCCL, world size 1): DDP built on the side stream, all-reduce inside the graph."""
-    eager, eager_params, _, _ = _train(DDPStrategy(), steps=20, model_overrides=CAPTURABLE if warmup > 3 else None)
-    graphed, graphed_params, fit, _ = _train(DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup), steps=20)
+    overrides = {"lr": 3e-4, **(CAPTURABLE if warmup > 3 else {})}
+    eager, eager_params, _, _ = _train(DDPStrategy(), steps=20, model_overrides=overrides)
+    graphed, graphed_params, fit, _ = _train(
+        DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup), steps=20, model_overrides={"lr": 3e-4}
+    )
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING, report.reason
     assert_losses_close(eager, graphed, 1e-5)

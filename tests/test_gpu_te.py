@@ -97,14 +97,16 @@ def test_te_release_frees_memory_after_an_exception():
             if trainer.global_step == 8:
                 raise RuntimeError("boom")
 
-    def failed(callback):
+    def failed():
+        callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
         with pytest.raises(RuntimeError, match="boom"):
             _train(callback, fp8=False, probe=Boom())
-        return settled_memory()
+        report = callback.report
+        del callback
+        return settled_memory(), report
 
-    callbacks = [CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP) for _ in range(2)]
-    first, second = failed(callbacks[0]), failed(callbacks[1])
-    assert callbacks[0].report.captures == 1
-    assert callbacks[0].report.graphs == 0
+    (first, report), (second, _) = failed(), failed()
+    assert report.captures == 1
+    assert report.graphs == 0
     assert graph_pool_bytes() == 0
     assert second == first
