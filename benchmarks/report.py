@@ -376,6 +376,11 @@ def write_report(results_dir: str | os.PathLike[str] = DEFAULT_RESULTS, charts: 
     return [markdown, *(results_dir / name for name in drawn.values())]
 
 
+def baseline_of(by_variant: dict[str, Any]) -> str:
+    """The variant speedups divide: eager Lightning, or the eager TE model in a Transformer Engine run."""
+    return TE_BASELINE if BASELINE not in by_variant and TE_BASELINE in by_variant else BASELINE
+
+
 def main(argv: list[str] | None = None) -> int:
     """Regenerate ``RESULTS.md`` and the charts of a results directory."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -453,8 +458,3 @@ def _times(value: float | None) -> str:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def baseline_of(by_variant: dict[str, Any]) -> str:
-    """The variant speedups divide: eager Lightning, or the eager TE model in a Transformer Engine run."""
-    return TE_BASELINE if BASELINE not in by_variant and TE_BASELINE in by_variant else BASELINE

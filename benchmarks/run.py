@@ -268,7 +268,12 @@ def make_record(spec: Spec, env: dict[str, str], results: list[dict[str, Any]], 
 def record_name(record: dict[str, Any]) -> str:
     """The JSON file name of a record: ``small_32-true.json``, ``sweep_batch_small_32-true.json``."""
     stem = f"{record['config']}_{record['precision']}"
-    return f"sweep_{record['sweep']}_{stem}.json" if record["kind"] == "sweep" else f"{stem}.json"
+    if record["kind"] == "sweep":
+        return f"sweep_{record['sweep']}_{stem}.json"
+    variants = [r["variant"] for r in record.get("results", [])]
+    if variants and all(v in TE_VARIANTS for v in variants):
+        stem += "_te"  # a Transformer Engine run must not overwrite the run of the same precision
+    return f"{stem}.json"
 
 
 def write_record(record: dict[str, Any], out: Path) -> Path:

@@ -237,3 +237,12 @@ def test_te_layer_is_skipped_without_transformer_engine():
         module_class(CONFIGS["small"], "te_layer")
     assert failure_note("te_layer", err.value) == TE_SKIPPED
     assert failure_note("layer", RuntimeError("boom")).startswith("failed: RuntimeError")
+
+
+def test_transformer_engine_runs_get_their_own_file():
+    from benchmarks.run import record_name
+
+    plain = {"kind": "run", "config": "small", "precision": "bf16-mixed", "results": [{"variant": "eager"}]}
+    te = {**plain, "results": [{"variant": "te_eager"}, {"variant": "te_layer"}]}
+    assert record_name(plain) == "small_bf16-mixed.json"
+    assert record_name(te) == "small_bf16-mixed_te.json"

@@ -77,7 +77,7 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
     assert max_param_diff(eager_params, graphed_params) < 1e-5
     # the schedule acted on the captured step, and the optimizer is plain again after release
     (group,) = fit.optimizers[0].param_groups
-    assert isinstance(group["lr"], float) and group["lr"] == pytest.approx(1e-3 * 0.5**3)
+    assert isinstance(group["lr"], float) and group["lr"] == pytest.approx(3e-4 * 0.5**3)
     assert not group["capturable"]
     # what training_step logged is this step's value, not the capture step's
     eager_logged, graphed_logged = _logged_losses(eager_fit), _logged_losses(fit)
