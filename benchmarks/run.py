@@ -75,6 +75,7 @@ class RunSpec:
     variants: tuple[str, ...]
     steps: int = 80
     skip: int = 20
+    repeat: int = 1  # rounds over the variants (round robin), so slow drifts of the host hit every variant alike
 
 
 @dataclass(frozen=True)
@@ -101,16 +102,18 @@ def readme_plan(te: bool) -> list[Spec]:
     """
     small = [v for v in variants_for(CONFIGS["small"]) if v not in TE_VARIANTS]
     te_runs = [RunSpec("small", precision, TE_VARIANTS) for precision in ("bf16-mixed", "transformer-engine")]
+    medium = ("eager", "layer", "full_iteration", "pytorch_full_graph")
     return [
         *(te_runs if te else []),
-        RunSpec("small", "32-true", compile_last(small)),
+        RunSpec("small", "32-true", compile_last(small), repeat=3),
         RunSpec(
             "small",
             "bf16-mixed",
             compile_last(["eager", "layer", "full_iteration", "compile_reduce_overhead", "pytorch_full_graph"]),
+            repeat=3,
         ),
-        RunSpec("medium", "32-true", ("eager", "layer", "full_iteration", "pytorch_full_graph"), steps=30, skip=10),
-        RunSpec("moe", "32-true", MOE_VARIANTS),
+        *(RunSpec("medium", precision, medium, steps=30, skip=10) for precision in ("32-true", "bf16-mixed")),
+        *(RunSpec("moe", precision, MOE_VARIANTS) for precision in ("32-true", "bf16-mixed")),
         SweepSpec("small", "32-true"),
     ]
 
@@ -215,12 +218,25 @@ def measure_run(spec: RunSpec, env: dict[str, str]) -> dict[str, Any]:
     """Measure each variant of a run once; the run's JSON record."""
     config = CONFIGS[spec.config]
     started = time.perf_counter()
-    results = []
-    for name in spec.variants:
-        result = run_variant(name, config, spec.precision, spec.steps, spec.skip)
-        results.append(as_dict(result, config["batch_size"]))
-        print(progress_line(result), flush=True)
+    merged: dict[str, Result] = {}
+    for round_index in range(spec.repeat):
+        for name in spec.variants:
+            if round_index and name in COMPILE_VARIANTS:
+                continue  # compiling again would measure the compiler's cache, not the variant
+            result = run_variant(name, config, spec.precision, spec.steps, spec.skip)
+            print(progress_line(result), flush=True)
+            merged[name] = merge_rounds(merged.get(name), result)
+    results = [as_dict(merged[name], config["batch_size"]) for name in spec.variants]
     return make_record(spec, env, results, time.perf_counter() - started)
+
+
+def merge_rounds(earlier: Result | None, later: Result) -> Result:
+    """One variant's rounds as one result: every timed step of every round, the largest peak memory."""
+    if earlier is None:
+        return later
+    later.step_ms = [*earlier.step_ms, *later.step_ms]
+    later.peak_mib = max(earlier.peak_mib, later.peak_mib)
+    return later
 
 
 def measure_sweep(spec: SweepSpec, env: dict[str, str]) -> dict[str, Any]:

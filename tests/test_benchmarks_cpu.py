@@ -196,14 +196,21 @@ def test_plans():
     plan = run.readme_plan(te=False)
     assert all(set(spec.variants) <= run.KNOWN_VARIANTS for spec in plan)
     assert "te_layer" not in plan[0].variants
-    assert "te_layer" in run.readme_plan(te=True)[0].variants
+    te_plan = run.readme_plan(te=True)
+    assert [(s.precision, s.variants) for s in te_plan[:2]] == [
+        ("bf16-mixed", run.TE_VARIANTS),
+        ("transformer-engine", run.TE_VARIANTS),
+    ]
     assert plan[0].variants[-2:] == run.COMPILE_VARIANTS
-    assert [(s.config, s.precision) for s in plan[:4]] == [
+    assert [(s.config, s.precision) for s in plan[:6]] == [
         ("small", "32-true"),
         ("small", "bf16-mixed"),
         ("medium", "32-true"),
+        ("medium", "bf16-mixed"),
         ("moe", "32-true"),
+        ("moe", "bf16-mixed"),
     ]
+    assert plan[0].repeat > 1  # the small-config comparisons are measured round robin
     assert isinstance(plan[-1], run.SweepSpec)
 
 
@@ -246,3 +253,12 @@ def test_transformer_engine_runs_get_their_own_file():
     te = {**plain, "results": [{"variant": "te_eager"}, {"variant": "te_layer"}]}
     assert record_name(plain) == "small_bf16-mixed.json"
     assert record_name(te) == "small_bf16-mixed_te.json"
+
+
+def test_rounds_of_one_variant_are_pooled():
+    from benchmarks.variants import Result
+
+    merged = run.merge_rounds(Result("layer", [5.0, 6.0], peak_mib=300.0), Result("layer", [7.0], peak_mib=280.0))
+    assert merged.step_ms == [5.0, 6.0, 7.0]
+    assert merged.peak_mib == 300.0
+    assert merged.median_ms == 6.0
