@@ -29,10 +29,10 @@ from lightning_cudagraph.recording import WarmupRecorder
 from lightning_cudagraph.scopes import ScopeResolution, candidate_names, resolve_scopes
 from lightning_cudagraph.signature import batch_key, describe_batch_key
 
-#: Relative parity tolerance by the graphed output's dtype, when ``parity_tol`` is not given.
+#: Relative parity tolerances when ``parity_tol`` is not given: full precision, autocast, FP8 (E4M3: 3 mantissa bits).
 DEFAULT_PARITY_TOL = 1e-4
 REDUCED_PRECISION_PARITY_TOL = 2e-2
-FP8_PARITY_TOL = 0.125  # E4M3 keeps 3 mantissa bits
+FP8_PARITY_TOL = 0.125
 
 
 class Rollout:
@@ -109,8 +109,9 @@ class Rollout:
         if self.config.impl == "transformer_engine":
             from lightning_cudagraph.graphs.te import capture_te_regions, fp8_recipe_of
 
-            self._fp8 = fp8_recipe_of(trainer.precision_plugin) is not None
-            capture = functools.partial(capture_te_regions, fp8_recipe=fp8_recipe_of(trainer.precision_plugin))
+            recipe = fp8_recipe_of(trainer.precision_plugin)
+            self._fp8 = recipe is not None
+            capture = functools.partial(capture_te_regions, fp8_recipe=recipe)
         self.manager = GraphManager(
             self.resolution.targets,
             self.report,
