@@ -86,7 +86,7 @@ def fast_key(args: tuple[Any, ...]) -> tuple[tuple[torch.Size, torch.dtype, bool
     """The cheap key of a positional, tensor-only call (``None`` when the call is not of that form)."""
     key = []
     for arg in args:
-        if type(arg) is not Tensor and not isinstance(arg, Tensor):
+        if not isinstance(arg, Tensor):
             return None
         key.append((arg.shape, arg.dtype, arg.requires_grad))
     if len(args) > 1 and len({id(a) for a in args}) != len(args):

@@ -159,7 +159,7 @@ def capture_regions(
             functions = [_functional(call) for call in calls]
             surfaces = [_input_surface(call) for call in calls]
             for call, fn, surface in zip(calls, functions, surfaces, strict=True):
-                with _autocast_of(call.signature):
+                with autocast_of(call.signature):
                     for _ in range(warmup_iters):
                         outputs, _ = fn(*call.samples)
                         _grads_of(outputs, surface, None)
@@ -208,7 +208,7 @@ def _capture_forward(
 ) -> GraphedRegion:
     graph = torch.cuda.CUDAGraph()
     with (
-        _autocast_of(call.signature),
+        autocast_of(call.signature),
         torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
     ):
         outputs, (leaves, spec) = fn(*call.samples)
@@ -241,7 +241,7 @@ def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: 
         return  # nothing flows back through this region: no backward graph
     graph = torch.cuda.CUDAGraph()
     with (
-        _autocast_of(region.signature),
+        autocast_of(region.signature),
         torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
     ):
         grads = _grads_of(region.static_outputs, surface, [g for g in grad_outputs if g is not None])
@@ -257,7 +257,8 @@ def tensor_addresses(module: torch.nn.Module) -> dict[str, int]:
     return {name: tensor.data_ptr() for name, tensor in named}
 
 
-def _autocast_of(signature: CallSignature) -> Any:
+def autocast_of(signature: CallSignature) -> Any:
+    """The autocast context a call ran under (cache off, as capture requires)."""
     enabled, dtype = signature.autocast
     if not enabled:
         return nullcontext()

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from lightning_cudagraph.graphs import device_index
 from lightning_cudagraph.graphs.full import FullIterationGraphs
 from lightning_cudagraph.graphs.local import GraphedRegion, RecordedCall, capture_regions, tensor_addresses
 from lightning_cudagraph.graphs.pool import pool_memory_mib
@@ -45,7 +46,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     Capturing on the stream the eager steps ran on means autograd never has to synchronize with a stream that
     is not capturing (on torch 2.11 an eager warmup on the legacy default stream breaks a later capture).
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _SIDE_STREAMS[index]

@@ -13,11 +13,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from lightning_cudagraph.graphs import device_index
+
 
 @contextlib.contextmanager
 def generator_guard(device: torch.device) -> Iterator[None]:
     """On an exception, give the device's default CUDA generator back its pre-capture state, then re-raise."""
-    generator = torch.cuda.default_generators[_index(device)]
+    generator = torch.cuda.default_generators[device_index(device)]
     snapshot = generator.clone_state() if hasattr(generator, "clone_state") else None
     try:
         yield
@@ -30,7 +32,7 @@ def generator_guard(device: torch.device) -> Iterator[None]:
 @contextlib.contextmanager
 def training_state_preserved(device: torch.device, modules: Iterable[torch.nn.Module]) -> Iterator[None]:
     """Restore CUDA and CPU RNG states and the modules' buffers on exit, whether the body succeeded or not."""
-    index = _index(device)
+    index = device_index(device)
     cuda_state, cpu_state = torch.cuda.get_rng_state(index), torch.get_rng_state()
     with torch.no_grad():
         buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
@@ -42,7 +44,3 @@ def training_state_preserved(device: torch.device, modules: Iterable[torch.nn.Mo
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()

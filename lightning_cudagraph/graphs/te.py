@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.graphs.local import RecordedCall, tensor_addresses
+from lightning_cudagraph.graphs.local import RecordedCall, autocast_of, tensor_addresses
 from lightning_cudagraph.signature import CallSignature, rebuild_call
 
 
@@ -78,7 +78,7 @@ def capture_te_regions(
     modules = tuple(call.module for call in calls)
     guards = [module.__dict__.pop("forward", None) for module in modules]  # TE wraps the original forward
     try:
-        with _captured_on(stream), _autocast_of(calls[0].signature):
+        with _captured_on(stream), autocast_of(calls[0].signature):
             te.make_graphed_callables(
                 modules,
                 tuple(args for args, _ in samples),
@@ -126,11 +126,6 @@ def _captured_on(stream: torch.cuda.Stream) -> Iterator[None]:
             yield
     finally:
         torch.cuda.graph.default_capture_stream = previous
-
-
-def _autocast_of(signature: CallSignature) -> Any:
-    enabled, dtype = signature.autocast
-    return torch.autocast("cuda", dtype=dtype, cache_enabled=False) if enabled else contextlib.nullcontext()
 
 
 def fp8_recipe_of(precision_plugin: Any) -> Any | None:
