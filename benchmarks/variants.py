@@ -105,11 +105,22 @@ class HandwrittenBlockGraphs(pl.Callback):
             return
         blocks = tuple(pl_module.model.blocks)
         config = pl_module.hparams
-        x = torch.randn(batch[0].shape[0], config.seq_len, config.width, device=pl_module.device, requires_grad=True)
+        shape = (batch[0].shape[0], config.seq_len, config.width)
+        samples = block_samples(len(blocks), shape, pl_module.device)
         started = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False, enabled=_autocast_on(trainer)):
-            torch.cuda.make_graphed_callables(blocks, tuple((x,) for _ in blocks))
+            torch.cuda.make_graphed_callables(blocks, samples)
         self.capture_ms = (time.perf_counter() - started) * 1e3
+
+
+def block_samples(count: int, shape: tuple[int, ...], device: torch.device) -> tuple[tuple[torch.Tensor], ...]:
+    """One sample input per block for ``make_graphed_callables``.
+
+    Each must be its own tensor: it becomes that block's static input, which the backward graph reads. One tensor
+    shared by every block would be overwritten by the later blocks' inputs before the first block's backward runs,
+    and training would silently go wrong.
+    """
+    return tuple((torch.randn(*shape, device=device, requires_grad=True),) for _ in range(count))
 
 
 def _autocast_on(trainer: pl.Trainer) -> bool:
@@ -202,10 +213,10 @@ def pytorch_variant(name: str, config: dict[str, Any], precision: str, steps: in
         for _ in range(3):
             loss = step(static_x, static_y)
         if name == "pytorch_block_graphs":
-            sample = torch.randn(*static_x.shape, config["width"], device=device, requires_grad=True)
+            samples = block_samples(len(gpt.blocks), (*static_x.shape, config["width"]), device)
             started = time.perf_counter()
             with autocast:
-                torch.cuda.make_graphed_callables(tuple(gpt.blocks), tuple((sample,) for _ in gpt.blocks))
+                torch.cuda.make_graphed_callables(tuple(gpt.blocks), samples)
             capture_ms = (time.perf_counter() - started) * 1e3
         elif whole_step:
             graph = torch.cuda.CUDAGraph()

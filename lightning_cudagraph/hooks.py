@@ -2,8 +2,9 @@
 
 A hook that runs while a graph is being captured would either break the capture (a host sync) or be baked into
 it (run on every replay, with capture-time Python state). So the hooks of every module inside a captured region,
-and the global module hooks, are taken out for the capture and put back afterwards. The same ``OrderedDict``
-objects are cleared and refilled, so every ``RemovableHandle`` a user holds stays valid.
+and the global module hooks, are taken out for the capture and put back afterwards. Each hook dict is swapped for
+an empty one and the original put back untouched: a ``RemovableHandle`` points at the original dict, so a handle
+removed during the capture stays removed.
 
 The captured module's own hooks are not touched by a capture: its forward is called directly while capturing, and
 after capture ``module(x)`` still runs its forward pre-hooks and forward hooks eagerly around the replay. Hooks of
@@ -58,18 +59,20 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
         >>> _ = layer(torch.ones(1, 2))
         hook
     """
-    stashed: list[tuple[OrderedDict, OrderedDict]] = []
+    stashed: list[tuple[object, str, OrderedDict]] = []
     try:
         for root in regions:
             for module in root.modules():
                 if module is root and not include_roots:
                     continue
-                stashed.extend(_take(getattr(module, name)) for name in MODULE_HOOK_DICTS if hasattr(module, name))
-        stashed.extend(_take(getattr(module_globals, name)) for name in GLOBAL_HOOK_DICTS)
+                stashed.extend(_swap_out(module, name) for name in MODULE_HOOK_DICTS if hasattr(module, name))
+        stashed.extend(_swap_out(module_globals, name) for name in GLOBAL_HOOK_DICTS)
         yield
     finally:
-        for live, saved in stashed:
-            live.update(saved)
+        for owner, name, original in reversed(stashed):
+            registered_meanwhile = getattr(owner, name)
+            setattr(owner, name, original)
+            original.update(registered_meanwhile)  # hooks added during the capture are kept, after the old ones
 
 
 def inner_hook_count(region: nn.Module) -> int:
@@ -81,7 +84,7 @@ def inner_hook_count(region: nn.Module) -> int:
     )
 
 
-def _take(hooks: OrderedDict) -> tuple[OrderedDict, OrderedDict]:
-    saved = OrderedDict(hooks)
-    hooks.clear()
-    return hooks, saved
+def _swap_out(owner: object, name: str) -> tuple[object, str, OrderedDict]:
+    original = getattr(owner, name)
+    setattr(owner, name, OrderedDict())
+    return owner, name, original

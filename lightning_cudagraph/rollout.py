@@ -58,6 +58,8 @@ class Rollout:
         self._last_nonfinite_check = 0
         self._fp8 = False
         self._autocast = False
+        self._weight_cache: Any = None
+        self._fallbacks_at_step_start = 0
 
     @property
     def stage(self) -> Stage:
@@ -111,7 +113,8 @@ class Rollout:
 
             recipe = fp8_recipe_of(trainer.precision_plugin)
             self._fp8 = recipe is not None
-            capture = functools.partial(capture_te_regions, fp8_recipe=recipe)
+            self._weight_cache = _fp8_weight_cache(trainer, recipe, self.component)
+            capture = functools.partial(capture_te_regions, fp8_recipe=recipe, weight_cache=self._weight_cache)
         self.manager = GraphManager(
             self.resolution.targets,
             self.report,
@@ -147,6 +150,10 @@ class Rollout:
         state = self.manager.end_step() if self.manager is not None else None
         if state is not None and state.recorder is not None:
             state.recorder.end_step()
+        if self._weight_cache is not None:
+            self._weight_cache.end_microbatch(
+                every_region_replayed=self.report.fallbacks == self._fallbacks_at_step_start
+            )
         if self.active and state is not None and state.confirming:
             self._confirm_scoped_step(state, outputs)
         if self.active and self.config.full_iteration and self.stage == Stage.CONFIRMING:
@@ -181,6 +188,9 @@ class Rollout:
             confirming = confirming or graph_set is not None
         if graph_set is None:
             return
+        if self._weight_cache is not None:
+            self._weight_cache.begin_microbatch(graph_set.batch, step)
+            self._fallbacks_at_step_start = self.report.fallbacks
         self.manager.begin_step(StepState(graph_set=graph_set, confirming=confirming, accumulating=accumulating))
 
     def _graph_set_for_new_shape(self, key: tuple[Any, ...]) -> Any:
@@ -451,3 +461,18 @@ def _eager(run_step: Callable[[], Any]) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*capturable=True.*")
         return run_step()
+
+
+def _fp8_weight_cache(trainer: pl.Trainer, fp8_recipe: Any, component: str) -> Any:
+    """A weight cache for TE graphs when FP8 weights can be quantized once per optimizer step, else ``None``."""
+    if fp8_recipe is None or trainer.accumulate_grad_batches <= 1:
+        return None
+    if not trainer.lightning_module.automatic_optimization:
+        return None  # manual optimization steps whenever it likes: the window is unknown
+    from lightning_cudagraph.graphs.te import FP8WeightCache
+
+    rank_zero_info(
+        f"{component}: FP8 weights are quantized once per optimizer step and reused by the other"
+        f" {trainer.accumulate_grad_batches - 1} micro-batch(es) of each accumulation window"
+    )
+    return FP8WeightCache()

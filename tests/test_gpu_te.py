@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import lightning.pytorch as pl
 import pytest
@@ -36,7 +37,7 @@ def _precision(fp8: bool):
     return TransformerEnginePrecision(weights_dtype=torch.float32, recipe=recipe, fallback_compute_dtype=torch.bfloat16)
 
 
-def _train(callback, fp8, steps=STEPS, probe=None):
+def _train(callback, fp8, steps=STEPS, probe=None, accumulate=1):
     from examples.te_gpt import TEGPTModule
 
     pl.seed_everything(0, verbose=False)
@@ -46,7 +47,9 @@ def _train(callback, fp8, steps=STEPS, probe=None):
     callbacks = [losses] + ([callback] if callback else []) + ([probe] if probe else [])
     precision = _precision(fp8)
     kwargs = {"plugins": [precision]} if fp8 else {"precision": precision}
-    trainer(steps, callbacks, accelerator="cuda", devices=1, **kwargs).fit(model, data)
+    trainer(steps, callbacks, accelerator="cuda", devices=1, accumulate_grad_batches=accumulate, **kwargs).fit(
+        model, data
+    )
     return losses.losses, model
 
 
@@ -89,6 +92,61 @@ def test_te_fp8_delayed_scaling_tracks_eager_and_keeps_updating():
     assert max(abs(a - b) / b for a, b in zip(eager, graphed, strict=True)) < 0.05
     after_capture = probe.scales[WARMUP + 1 :]
     assert any(not torch.equal(a, b) for a, b in itertools.pairwise(after_capture))
+
+
+class _FC1ZeroedOnSecondMicrobatches(pl.Callback):
+    """From batch ``start`` on, zeroes the first layer's FP8 GEMM weight ``fc1`` for the second micro-batch of each
+    accumulation window of two, and puts it back before the optimizer step (so the weights trained stay the same).
+
+    A forward that quantizes the weights again sees zeros there; one that reuses the window's cached FP8 weights
+    does not see the change at all.
+    """
+
+    def __init__(self, start: int) -> None:
+        self.start, self.saved = start, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= self.start and batch_idx % 2 == 1:
+            weight = pl_module.model.blocks[0].layernorm_mlp.fc1_weight
+            self.saved = weight.detach().clone()
+            with torch.no_grad():
+                weight.zero_()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.saved is not None:
+            with torch.no_grad():
+                pl_module.model.blocks[0].layernorm_mlp.fc1_weight.copy_(self.saved)
+            self.saved = None
+
+
+def test_te_fp8_weights_quantized_once_per_accumulation_window():
+    accumulate, batches = 2, 2 * STEPS
+    start = 2 * (WARMUP + 4)  # past capture and confirmation: only steady replays see the zeroed weight
+
+    def graphed_run(probe):
+        callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
+        losses, _ = _train(callback, fp8=True, probe=probe, accumulate=accumulate)
+        return losses, callback.report
+
+    eager, _ = _train(None, fp8=True, accumulate=accumulate)
+    eager_zeroed, _ = _train(None, fp8=True, probe=_FC1ZeroedOnSecondMicrobatches(start), accumulate=accumulate)
+    graphed, report = graphed_run(None)
+    graphed_zeroed, _ = graphed_run(_FC1ZeroedOnSecondMicrobatches(start))
+
+    assert report.stage == Stage.REPLAYING, report.reason
+    assert report.fallbacks == 0
+    assert report.replays == (batches - 2 * WARMUP) * SMALL["n_layer"]
+    assert all(torch.isfinite(torch.tensor(graphed)))
+    # Graphed FP8 with cached weights tracks eager FP8 (which quantizes on every micro-batch) as closely as the
+    # test without accumulation requires: the weights are the same within a window, only their scales may move.
+    assert max(abs(a - b) / b for a, b in zip(eager, graphed, strict=True)) < 0.05
+    zeroed = range(start + 1, batches, 2)
+    eager_effect = statistics.mean(abs(eager_zeroed[i] - eager[i]) / eager[i] for i in zeroed)
+    graphed_effect = max(abs(graphed_zeroed[i] - graphed[i]) / graphed[i] for i in zeroed)
+    # Eager quantizes on every micro-batch and sees the zeroed weight; the graphs reuse the FP8 weights of the
+    # window's first micro-batch, so the change never reaches their forward.
+    assert eager_effect > 0.01, eager_effect
+    assert graphed_effect < eager_effect / 20, (graphed_effect, eager_effect)
 
 
 def test_te_release_frees_memory_after_an_exception():

@@ -324,3 +324,22 @@ def test_calls_outside_a_step_are_not_recorded():
     recorder = recorded(model, ["first"])
     model(torch.randn(8, 4))
     assert recorder.steps == []
+
+
+def test_hook_removed_during_capture_stays_removed():
+    region, fired = Region(), []
+    handle = region.inner.register_forward_hook(lambda module, args, output: fired.append("fwd"))
+    with hooks_stashed([region]):
+        handle.remove()
+    run(region)
+    assert fired == []
+    assert inner_hook_count(region) == 0
+
+
+def test_hook_registered_during_capture_is_kept_after_the_old_ones():
+    region, fired = Region(), []
+    region.inner.register_forward_pre_hook(lambda module, args: fired.append("old"))
+    with hooks_stashed([region]):
+        region.inner.register_forward_pre_hook(lambda module, args: fired.append("new"))
+    run(region)
+    assert fired == ["old", "new"]

@@ -305,3 +305,43 @@ def test_root_module_is_never_a_target():
     resolution = resolve_scopes(GPT(), ["everything"], {"everything": [lambda name, module: True]})
     assert "" not in names(resolution)
     assert names(resolution) == ["embed", "blocks", "head"]
+
+
+def _te_named(class_name: str, **children: nn.Module) -> nn.Module:
+    """A module whose class has a Transformer Engine class name (TE needs CUDA; discovery only reads names)."""
+    module = type(class_name, (nn.Module,), {})()
+    for name, child in children.items():
+        module.add_module(name, child)
+    return module
+
+
+def _te_style_model() -> nn.Module:
+    """Two layers shaped like ``te.TransformerLayer``, under attribute names no name rule knows."""
+
+    def te_layer() -> nn.Module:
+        attention = _te_named("MultiheadAttention", qkv=nn.Linear(8, 24), core=_te_named("DotProductAttention"))
+        return _te_named("TransformerLayer", mixer=attention, ff=_te_named("LayerNormMLP", fc1=nn.Linear(8, 32)))
+
+    model = nn.Module()
+    model.stack = nn.ModuleDict({"first": te_layer(), "second": te_layer()})
+    return model
+
+
+@pytest.mark.parametrize(
+    ("scope", "expected"),
+    [
+        pytest.param(["attn"], ["stack.first.mixer", "stack.second.mixer"], id="attn-outer-MultiheadAttention"),
+        pytest.param(["mlp"], ["stack.first.ff", "stack.second.ff"], id="mlp-LayerNormMLP"),
+        pytest.param(["layer"], ["stack.first", "stack.second"], id="layer-TransformerLayer"),
+        pytest.param(["attn", "layer"], ["stack.first", "stack.second"], id="layer-folds-attn"),
+        pytest.param(["auto"], ["stack.first.mixer", "stack.second.mixer"], id="auto-narrowest"),
+    ],
+)
+def test_transformer_engine_modules_found_by_class_name(scope, expected):
+    assert names(resolve_scopes(_te_style_model(), scope)) == expected
+
+
+def test_bare_dot_product_attention_found_for_attn():
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.ModuleDict({"core": _te_named("DotProductAttention")}) for _ in range(2))
+    assert names(resolve_scopes(model, ["attn"])) == ["blocks.0.core", "blocks.1.core"]

@@ -58,12 +58,15 @@ class GraphedRegion:
     addresses: dict[str, int] = field(default_factory=dict)
     fast: Any = None
     parity_checked: bool = False
+    returns_one_tensor: bool = False
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Replay the region for a call whose signature matched, rebuilding the module's output structure."""
-        inputs = distinct_tensors(self.signature, args, kwargs)
+        # Per-call host time is what a scoped graph saves, so the common ``module(x)`` -> tensor call skips pytree.
+        positional = self.fast is not None and not kwargs
+        inputs = args if positional else distinct_tensors(self.signature, args, kwargs)
         outputs = _GraphedCall.apply(self, *inputs, *self.params)
-        return self._rebuild_output(outputs)
+        return outputs[0] if self.returns_one_tensor else self._rebuild_output(outputs)
 
     def replay_forward_detached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
         """Replay only the forward graph, outside autograd, and return copies of its tensor outputs."""
@@ -227,6 +230,7 @@ def _capture_forward(
         differentiable=tuple(o.requires_grad for o in outputs),
         fwd_graph=graph,
         addresses=tensor_addresses(call.module),
+        returns_one_tensor=spec.is_leaf() and positions == (0,),
     )
 
 

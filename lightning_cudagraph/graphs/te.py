@@ -4,6 +4,9 @@ TE's capture handles what PyTorch's cannot for FP8 layers: the FP8 autocast arou
 scaling state, and TE's graph-safe RNG tracker; it also clones parameter gradients on return. The rollout still
 decides when to capture, and the manager still routes every call through the target's guard; a region here only
 wraps the forward TE builds, and :meth:`TERegion.reset` calls TE's ``reset()``.
+
+With FP8 and gradient accumulation, :class:`FP8WeightCache` lets the graphs quantize the weights once per optimizer
+step instead of once per micro-batch (TE's ``cache_quantized_params``).
 """
 
 from __future__ import annotations
@@ -34,16 +37,23 @@ class TERegion:
     fast: Any = None
     parity_checked: bool = False
     on_backward: Any = None  # TE's autograd function is its own: no backward-order record
+    weight_cache: FP8WeightCache | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Replay through TE's graphed forward."""
-        return self.forward(*args, **kwargs)
+        return self.forward(*args, **self._with_microbatch(kwargs))
 
     def replay_forward_detached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
         """Replay the forward graph outside autograd and return copies of its tensor outputs."""
         with torch.no_grad():
-            outputs = self.forward(*args, **kwargs)
+            outputs = self.forward(*args, **self._with_microbatch(kwargs))
         return [leaf.clone() for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, Tensor)]
+
+    def _with_microbatch(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        # TE's graphed callable requires the flag on every call once weight caching is on.
+        if self.weight_cache is None:
+            return kwargs
+        return {**kwargs, "is_first_microbatch": self.weight_cache.first_microbatch}
 
     def detach_accumulated_grads(self) -> None:
         """Nothing to do: TE clones parameter gradients on return."""
@@ -55,6 +65,41 @@ class TERegion:
         self.reset_graphs = self.forward = None
 
 
+class FP8WeightCache:
+    """Says, per micro-batch, whether TE's graphs may reuse the FP8 weights quantized earlier in the window.
+
+    Weights change only at the optimizer step, so the FP8 copies a replay made on the first micro-batch of an
+    accumulation window hold for the rest of it. They are trusted only when every region of the graph set replayed
+    on an earlier micro-batch since the last optimizer step; after a step with a fallback the next replay quantizes
+    again. The flag is a device tensor TE's graphs read (set without a host sync).
+    """
+
+    def __init__(self) -> None:
+        self.first_microbatch = True
+        self._quantized_at: dict[Any, int] = {}
+        self._current: tuple[Any, int] | None = None
+
+    def begin_microbatch(self, graph_key: Any, optimizer_steps: int) -> None:
+        """Before a micro-batch that replays the graphs captured for ``graph_key``."""
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        self.first_microbatch = self._quantized_at.get(graph_key) != optimizer_steps
+        self._current = (graph_key, optimizer_steps)
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not self.first_microbatch)
+
+    def end_microbatch(self, every_region_replayed: bool) -> None:
+        """After the micro-batch: its replays quantized the weights of this optimizer step unless one fell back."""
+        if self._current is None:
+            return
+        graph_key, optimizer_steps = self._current
+        if every_region_replayed:
+            self._quantized_at[graph_key] = optimizer_steps
+        else:
+            self._quantized_at.pop(graph_key, None)
+        self._current = None
+        self.first_microbatch = True
+
+
 def capture_te_regions(
     calls: Sequence[RecordedCall],
     *,
@@ -62,6 +107,7 @@ def capture_te_regions(
     stream: torch.cuda.Stream,
     warmup_iters: int,
     fp8_recipe: Any | None,
+    weight_cache: FP8WeightCache | None = None,
 ) -> list[TERegion]:
     """Capture the calls with ``transformer_engine.pytorch.make_graphed_callables`` into one pool on ``stream``.
 
@@ -71,6 +117,8 @@ def capture_te_regions(
         stream: The stream to capture on (the stream eager training ran on).
         warmup_iters: TE's warmup iterations per callable.
         fp8_recipe: The FP8 recipe of the Trainer's ``TransformerEnginePrecision``, or ``None`` for no FP8.
+        weight_cache: With FP8 and gradient accumulation: capture with ``cache_quantized_params`` and let this
+            cache tell each replay whether it starts an accumulation window.
     """
     import transformer_engine.pytorch as te
 
@@ -87,6 +135,7 @@ def capture_te_regions(
                 sample_kwargs=tuple(kwargs for _, kwargs in samples),
                 enabled=fp8_recipe is not None,
                 recipe=fp8_recipe,
+                cache_quantized_params=weight_cache is not None,
                 pool=pool,
             )
         regions = []
@@ -94,7 +143,10 @@ def capture_te_regions(
             forward = module.__dict__.pop("forward")
             reset = module.__dict__.pop("reset", None)
             module.__dict__.pop("backward_dw", None)
-            regions.append(TERegion(call.name, module, call.signature, forward, reset, tensor_addresses(module)))
+            addresses = tensor_addresses(module)
+            regions.append(
+                TERegion(call.name, module, call.signature, forward, reset, addresses, weight_cache=weight_cache)
+            )
         return regions
     finally:
         for module, guard in zip(modules, guards, strict=True):
