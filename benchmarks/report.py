@@ -36,7 +36,7 @@ GAIN_THRESHOLD = 1.05
 
 CONFIG_ORDER = ("small", "medium", "moe", "tiny")
 PRECISION_ORDER = ("32-true", "bf16-mixed")
-PRECISION_LABELS = {"32-true": "fp32", "bf16-mixed": "bf16-mixed"}
+PRECISION_LABELS = {"32-true": "fp32", "bf16-mixed": "bf16-mixed", "transformer-engine": "FP8 (transformer-engine)"}
 MISSING = "n/a"
 
 LEGEND = (
@@ -173,8 +173,9 @@ def table_markdown(run: dict[str, Any]) -> str:
 
 
 def run_title(run: dict[str, Any]) -> str:
-    """``small, fp32, batch 8``: what a run measured."""
-    return f"{run['config']}, {precision_label(run['precision'])}, batch {run.get('batch_size', MISSING)}"
+    """``small, fp32, batch 8`` (``small, Transformer Engine GPT, ...`` for a TE run): what a run measured."""
+    model = f"{run['config']}, Transformer Engine GPT" if record_stem(run).endswith("_te") else run["config"]
+    return f"{model}, {precision_label(run['precision'])}, batch {run.get('batch_size', MISSING)}"
 
 
 def environment_line(run: dict[str, Any]) -> str:
@@ -263,10 +264,22 @@ def sweep_section(run: dict[str, Any], chart: str | None = None) -> str:
     return "\n".join(parts)
 
 
+def record_stem(run: dict[str, Any]) -> str:
+    """The file stem of a run, shared by its JSON and its chart: ``small_32-true``, ``sweep_batch_small_32-true``.
+
+    A Transformer Engine run gets ``_te`` so that it does not overwrite the plain run of the same precision.
+    """
+    stem = f"{run['config']}_{run['precision']}"
+    if is_sweep(run):
+        return f"sweep_{run.get('sweep', 'batch')}_{stem}"
+    variants = [r["variant"] for r in run.get("results", [])]
+    return f"{stem}_te" if variants and all(v.startswith("te_") for v in variants) else stem
+
+
 def chart_name(run: dict[str, Any]) -> str:
     """The PNG file name of a run's chart."""
-    stem = f"{run['config']}_{run['precision']}"
-    return f"sweep_{run.get('sweep', 'batch')}_{stem}.png" if is_sweep(run) else f"bars_{stem}.png"
+    stem = record_stem(run)
+    return f"{stem}.png" if is_sweep(run) else f"bars_{stem}.png"
 
 
 def is_sweep(run: dict[str, Any]) -> bool:
@@ -286,10 +299,10 @@ def bar_chart(run: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
     positions = range(len(rows))
     ax.barh(positions, values, xerr=[low, high], color=[_bar_color(n) for n in names], capsize=3)
-    for position, value in zip(positions, values, strict=True):
+    for position, value, above in zip(positions, values, high, strict=True):
         speedup = ratio(eager, value)
-        if speedup is not None:
-            ax.text(value, position, f"  {speedup:.2f}x", va="center", fontsize=8)
+        if speedup is not None:  # right of the whisker, so the two never overlap
+            ax.text(value + above, position, f"  {speedup:.2f}x", va="center", fontsize=8)
     ax.set_yticks(list(positions), names)
     ax.invert_yaxis()
     ax.set_xlabel("median ms/step (whiskers: p25-p75; labels: speedup over eager Lightning)")

@@ -61,7 +61,7 @@ DEFAULT_VARIANTS = (
     "pytorch_full_graph",
 )
 SWEEP_VARIANTS = ("eager", "layer", "full_iteration", "pytorch_full_graph")
-SWEEP_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+SWEEP_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 COMPILE_VARIANTS = ("compile_default", "compile_reduce_overhead")
 KNOWN_VARIANTS = frozenset((*LIGHTNING_VARIANTS, *PYTORCH_VARIANTS, *MOE_VARIANTS))
 
@@ -283,13 +283,7 @@ def make_record(spec: Spec, env: dict[str, str], results: list[dict[str, Any]], 
 
 def record_name(record: dict[str, Any]) -> str:
     """The JSON file name of a record: ``small_32-true.json``, ``sweep_batch_small_32-true.json``."""
-    stem = f"{record['config']}_{record['precision']}"
-    if record["kind"] == "sweep":
-        return f"sweep_{record['sweep']}_{stem}.json"
-    variants = [r["variant"] for r in record.get("results", [])]
-    if variants and all(v in TE_VARIANTS for v in variants):
-        stem += "_te"  # a Transformer Engine run must not overwrite the run of the same precision
-    return f"{stem}.json"
+    return f"{report.record_stem(record)}.json"
 
 
 def write_record(record: dict[str, Any], out: Path) -> Path:

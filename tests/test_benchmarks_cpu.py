@@ -262,3 +262,11 @@ def test_rounds_of_one_variant_are_pooled():
     assert merged.step_ms == [5.0, 6.0, 7.0]
     assert merged.peak_mib == 300.0
     assert merged.median_ms == 6.0
+
+
+def test_transformer_engine_runs_get_their_own_chart():
+    from benchmarks.report import chart_name
+
+    plain = {"kind": "run", "config": "small", "precision": "bf16-mixed", "results": [{"variant": "eager"}]}
+    te = {**plain, "results": [{"variant": "te_eager"}, {"variant": "te_layer"}]}
+    assert chart_name(plain) != chart_name(te)
