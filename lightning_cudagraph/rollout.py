@@ -59,7 +59,7 @@ class Rollout:
         self._fp8 = False
         self._autocast = False
         self._weight_cache: Any = None
-        self._fallbacks_at_step_start = 0
+        self._microbatch_start: tuple[int, int, int] = (0, 0, 0)  # replays, fallbacks, regions expected
 
     @property
     def stage(self) -> Stage:
@@ -151,9 +151,9 @@ class Rollout:
         if state is not None and state.recorder is not None:
             state.recorder.end_step()
         if self._weight_cache is not None:
-            self._weight_cache.end_microbatch(
-                every_region_replayed=self.report.fallbacks == self._fallbacks_at_step_start
-            )
+            replays, fallbacks, regions = self._microbatch_start
+            every_region_replayed = self.report.replays - replays >= regions and self.report.fallbacks == fallbacks
+            self._weight_cache.end_microbatch(every_region_replayed)
         if self.active and state is not None and state.confirming:
             self._confirm_scoped_step(state, outputs)
         if self.active and self.config.full_iteration and self.stage == Stage.CONFIRMING:
@@ -190,7 +190,7 @@ class Rollout:
             return
         if self._weight_cache is not None:
             self._weight_cache.begin_microbatch(graph_set.batch, step)
-            self._fallbacks_at_step_start = self.report.fallbacks
+            self._microbatch_start = (self.report.replays, self.report.fallbacks, len(graph_set.regions))
         self.manager.begin_step(StepState(graph_set=graph_set, confirming=confirming, accumulating=accumulating))
 
     def _graph_set_for_new_shape(self, key: tuple[Any, ...]) -> Any:

@@ -37,11 +37,11 @@ def _precision(fp8: bool):
     return TransformerEnginePrecision(weights_dtype=torch.float32, recipe=recipe, fallback_compute_dtype=torch.bfloat16)
 
 
-def _train(callback, fp8, steps=STEPS, probe=None, accumulate=1):
+def _train(callback, fp8, steps=STEPS, probe=None, accumulate=1, dropout=0.0, module_class=None):
     from examples.te_gpt import TEGPTModule
 
     pl.seed_everything(0, verbose=False)
-    model = TEGPTModule(**SMALL)
+    model = (module_class or TEGPTModule)(**SMALL, dropout=dropout)
     _, data = gpt(SMALL)
     losses = LossRecorder()
     callbacks = [losses] + ([callback] if callback else []) + ([probe] if probe else [])
@@ -65,6 +65,35 @@ def test_te_layers_bf16_graphed_match_te_eager():
     assert_losses_close(eager, graphed, 2e-2)
     assert patched_forwards(model) == []
     assert not any(hasattr(m, "reset") and "reset" in m.__dict__ for m in model.modules())
+
+
+def test_te_dropout_draws_the_masks_eager_training_draws():
+    """TE's graphs register the generators dropout draws from: graphed training tracks TE eager with dropout on."""
+    eager, _ = _train(None, fp8=False, dropout=0.1)
+    callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
+    graphed, _ = _train(callback, fp8=False, dropout=0.1)
+    assert callback.report.stage == Stage.REPLAYING, callback.report.reason
+    assert_losses_close(eager, graphed, 2e-2)
+
+
+def test_te_dropout_masks_are_fresh_on_every_replay():
+    from examples.te_gpt import TEGPTModule
+
+    class DropoutProbe(TEGPTModule):
+        """Replays its first layer twice on one input late in training, before the step's own forward."""
+
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == STEPS - 2:
+                x = torch.randn(8, SMALL["seq_len"], SMALL["width"], device=self.device, requires_grad=True)
+                self.probes = [self.model.blocks[0](x).detach().clone() for _ in range(2)]
+            return super().training_step(batch, batch_idx)
+
+    callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
+    _, model = _train(callback, fp8=False, dropout=0.5, module_class=DropoutProbe)
+    assert callback.report.stage == Stage.REPLAYING, callback.report.reason
+    assert callback.report.replays == (STEPS - WARMUP) * SMALL["n_layer"] + 2  # the probe's two calls replayed
+    first, second = model.probes
+    assert float((first.float() - second.float()).abs().max()) > 1e-2  # another dropout mask on the second replay
 
 
 class _ScalingProbe(pl.Callback):

@@ -12,7 +12,7 @@ step instead of once per micro-batch (TE's ``cache_quantized_params``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,20 +72,22 @@ class FP8WeightCache:
     accumulation window hold for the rest of it. They are trusted only when every region of the graph set replayed
     on an earlier micro-batch since the last optimizer step; after a step with a fallback the next replay quantizes
     again. The flag is a device tensor TE's graphs read (set without a host sync).
+
+    Args:
+        set_skip_flag: Writes TE's "skip the FP8 weight update" flag; TE's ``FP8GlobalStateManager`` by default.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, set_skip_flag: Callable[[bool], None] | None = None) -> None:
         self.first_microbatch = True
+        self._set_skip_flag = set_skip_flag or _set_te_skip_flag
         self._quantized_at: dict[Any, int] = {}
         self._current: tuple[Any, int] | None = None
 
     def begin_microbatch(self, graph_key: Any, optimizer_steps: int) -> None:
         """Before a micro-batch that replays the graphs captured for ``graph_key``."""
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
         self.first_microbatch = self._quantized_at.get(graph_key) != optimizer_steps
         self._current = (graph_key, optimizer_steps)
-        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not self.first_microbatch)
+        self._set_skip_flag(not self.first_microbatch)
 
     def end_microbatch(self, every_region_replayed: bool) -> None:
         """After the micro-batch: its replays quantized the weights of this optimizer step unless one fell back."""
@@ -98,6 +100,12 @@ class FP8WeightCache:
             self._quantized_at.pop(graph_key, None)
         self._current = None
         self.first_microbatch = True
+
+
+def _set_te_skip_flag(skip: bool) -> None:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(skip)
 
 
 def capture_te_regions(
@@ -126,7 +134,7 @@ def capture_te_regions(
     modules = tuple(call.module for call in calls)
     guards = [module.__dict__.pop("forward", None) for module in modules]  # TE wraps the original forward
     try:
-        with _captured_on(stream), autocast_of(calls[0].signature):
+        with _captured_on(stream), _tracker_generators_restored_on_error(), autocast_of(calls[0].signature):
             te.make_graphed_callables(
                 modules,
                 tuple(args for args, _ in samples),
@@ -178,6 +186,25 @@ def _captured_on(stream: torch.cuda.Stream) -> Iterator[None]:
             yield
     finally:
         torch.cuda.graph.default_capture_stream = previous
+
+
+@contextlib.contextmanager
+def _tracker_generators_restored_on_error() -> Iterator[None]:
+    """On a failed capture, give the generators of TE's RNG tracker back their pre-capture state.
+
+    A generator left in capture mode fails at the next eager dropout. TE registers these generators with its graphs
+    and restores them itself after a capture that succeeds; the manager guards the default generator.
+    """
+    from transformer_engine.pytorch.distributed import get_all_rng_states, graph_safe_rng_available
+
+    generators = list(get_all_rng_states().values()) if graph_safe_rng_available() else []
+    snapshots = [generator.clone_state() for generator in generators]
+    try:
+        yield
+    except BaseException:
+        for generator, snapshot in zip(generators, snapshots, strict=True):
+            generator.graphsafe_set_state(snapshot)
+        raise
 
 
 def fp8_recipe_of(precision_plugin: Any) -> Any | None:
