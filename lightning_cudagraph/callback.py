@@ -135,6 +135,14 @@ class CUDAGraphCallback(Callback):
         self.rollout.batch_end(trainer, pl_module, outputs)
 
     @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rollout.abandon_step()  # a batch skipped by ``on_train_batch_start`` returning -1 never ended
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.rollout.abandon_step()
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.rollout.flush(trainer)
         self.rollout.release()

@@ -36,7 +36,7 @@ class CUDAGraphReport:
     Attributes:
         stage: The current :class:`Stage`.
         reason: Why graphs are off (``no_cuda``, ``impl_none``, ``no_targets``, ``shape_unstable: ...``,
-            ``rollback: ...``), or ``None``.
+            ``nonfinite_warmup``, ``rollback: ...``), or ``None``.
         scopes: Modules found per scope (before nested matches were folded into their enclosing region).
         graphs: Captured regions alive now (a forward/backward pair counts once; a whole step counts once).
         replays: Forward graph replays (a whole-step replay counts once).

@@ -88,6 +88,10 @@ class WarmupRecorder:
             self.steps = [*self.steps[-(self._history - 1) :], self._current]
         self._current = None
 
+    def discard_step(self) -> None:
+        """Drop the step being recorded (it never ran to its end)."""
+        self._current = None
+
     def last_step_for(self, batch: tuple[Any, ...]) -> StepRecord | None:
         """The most recent recorded step with samples whose batch had this key."""
         return next((s for s in reversed(self.steps) if s.batch == batch and s.samples), None)

@@ -59,6 +59,9 @@ class Rollout:
         self._fp8 = False
         self._autocast = False
         self._weight_cache: Any = None
+        self._warmup_nonfinite: torch.Tensor | None = None
+        self._replay_step_seen = False
+        self._uncapturable: set[tuple[Any, ...]] = set()
         self._microbatch_start: tuple[int, int, int] = (0, 0, 0)  # replays, fallbacks, regions expected
 
     @property
@@ -154,13 +157,21 @@ class Rollout:
             replays, fallbacks, regions = self._microbatch_start
             every_region_replayed = self.report.replays - replays >= regions and self.report.fallbacks == fallbacks
             self._weight_cache.end_microbatch(every_region_replayed)
-        if self.active and state is not None and state.confirming:
+        if self.active and self.stage == Stage.WARMUP:
+            self._warmup_nonfinite = _or_nonfinite(self._warmup_nonfinite, outputs)
+        if self.active and state is not None and (state.confirming or state.problem is not None):
             self._confirm_scoped_step(state, outputs)
         if self.active and self.config.full_iteration and self.stage == Stage.CONFIRMING:
             self._confirm_full_step()
         if self.active and self.stage == Stage.CONFIRMING and trainer.global_step >= self._confirm_until:
-            self._finish_confirmation()
+            self._finish_confirmation_once_replayed()
         self._maybe_log(trainer, module)
+
+    def abandon_step(self) -> None:
+        """Close a training batch that never reached ``on_train_batch_end`` (``on_train_batch_start`` returned -1)."""
+        state = self.manager.end_step() if self.manager is not None else None
+        if state is not None and state.recorder is not None:
+            state.recorder.discard_step()
 
     def _begin_scoped_step(self, trainer: pl.Trainer, batch: Any) -> None:
         step, key = trainer.global_step, batch_key(batch)
@@ -171,9 +182,12 @@ class Rollout:
             self.manager.begin_step(StepState(recorder=self._recorder))
             return
         if self.stage == Stage.WARMUP:
+            if not self._warmup_was_finite():
+                return
             plan = self._recorder.plan(excluded=set())
             if plan.unstable is not None:
-                self._disable("shape_unstable", detail=f"input signatures moved during warmup: {plan.unstable}")
+                detail = f"input signatures moved during warmup: {plan.unstable}"
+                self._disable(f"shape_unstable: {plan.unstable}", detail=detail)
                 return
             if not plan.calls:
                 self._disable("no_targets", detail="no target module ran in a training step: " + str(plan.skipped))
@@ -181,6 +195,11 @@ class Rollout:
             self._note_skipped(plan.skipped)
             if not self._capture(plan.batch, plan.calls, step):
                 return
+            self.manager.watch_trainable(
+                (f"{target.name}.{name}", param)
+                for target in self.resolution.targets
+                for name, param in target.module.named_parameters()
+            )
         graph_set = self.manager.sets.get(key)
         confirming = self.stage == Stage.CONFIRMING
         if graph_set is None:
@@ -197,6 +216,9 @@ class Rollout:
         captured = ", ".join(describe_batch_key(k) for k in self.manager.sets) or "nothing yet"
         change = f"batch shape {describe_batch_key(key)} differs from the captured {captured}"
         policy = self.config.on_shape_change
+        if key in self._uncapturable:
+            self.manager.begin_step(StepState(fallback_reason=f"{change}; it cannot be captured"))
+            return None
         if policy == "error":
             raise RuntimeError(
                 f"{self.component}(on_shape_change='error'): {change}. Fix: keep batch shapes fixed (e.g."
@@ -207,6 +229,11 @@ class Rollout:
                 plan = self._recorder.plan(excluded=set(), batch=key)
                 if plan.unstable is None and plan.calls and self._capture(key, plan.calls, self._capture_step):
                     return self.manager.sets.get(key)
+                if self.active:  # not a failed capture (that rolled back loudly): this shape stays eager, counted
+                    why = f"its input signatures moved: {plan.unstable}" if plan.unstable else "no target ran in it"
+                    rank_zero_warn(f"{self.component}: batch shape {describe_batch_key(key)} stays eager: {why}")
+                    self._uncapturable.add(key)
+                    self.manager.begin_step(StepState(fallback_reason=f"{change}; it cannot be captured: {why}"))
                 return None
             self._recorder.begin_step(key, keep_samples=True)
             self.manager.begin_step(StepState(recorder=self._recorder, fallback_reason=change))
@@ -225,10 +252,7 @@ class Rollout:
         except Exception as err:  # a failed capture must not end training silently, nor leak anything
             self._rollback(f"capture_failed: {type(err).__name__}: {err}", err)
             return False
-        if self.config.max_pool_mib is not None and self.report.pool_mib > self.config.max_pool_mib:
-            self._rollback(
-                f"memory_budget: graphs hold {self.report.pool_mib:.1f} MiB > {self.config.max_pool_mib} MiB"
-            )
+        if self._over_memory_budget():
             return False
         if first:
             self._enter_confirmation(step)
@@ -256,10 +280,9 @@ class Rollout:
                 f" ({state.backward_order} vs {expected}); they cannot share one memory pool"
             )
             return
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor) and self.stage == Stage.CONFIRMING:
-            bad = ~torch.isfinite(loss.detach())
-            self._confirm_nonfinite = bad if self._confirm_nonfinite is None else self._confirm_nonfinite | bad
+        if self.stage == Stage.CONFIRMING:
+            self._confirm_nonfinite = _or_nonfinite(self._confirm_nonfinite, outputs)
+            self._replay_step_seen = self._replay_step_seen or (bool(state.forward_order) and not state.parity)
 
     def _parity_tolerance(self, state: StepState) -> float:
         if self.config.parity_tol is not None:
@@ -276,7 +299,7 @@ class Rollout:
             return batch
         full, key, step = self.manager.full_iteration(), batch_key(batch), trainer.global_step
         if self.stage == Stage.WARMUP:
-            if step < self._capture_step:
+            if step < self._capture_step or not self._warmup_was_finite():
                 return batch
             self._full_plan = ("capture", key)
             return full.adopt(key, batch)
@@ -321,9 +344,14 @@ class Rollout:
             except Exception as err:  # roll back loudly (or raise), then run this step eagerly
                 self._rollback(f"capture_failed: {type(err).__name__}: {err}", err)
                 return _eager(run_step)
+            if self._over_memory_budget():
+                return _eager(run_step)
+            self.manager.watch_trainable(module.named_parameters())
             rank_zero_info(f"{self.component}: captured the training step for batch {describe_batch_key(key)}")
             if first:
                 self._enter_confirmation(trainer.global_step)
+        elif not self._trainable_unchanged():
+            return _eager(run_step)
         output = full.replay(key, trainer.global_step)
         set_closure_result(closure, output, trainer.accumulate_grad_batches)
         full.relog(key, module)
@@ -352,6 +380,15 @@ class Rollout:
         self._replays_at_capture = self.report.replays
         self._confirm_until = step + self.config.confirm_steps
         self._confirm_nonfinite = None
+        self._replay_step_seen = self.config.full_iteration  # a whole-step graph replays from its first step on
+
+    def _finish_confirmation_once_replayed(self) -> None:
+        """End confirmation once a step has run on graphs, forward and backward.
+
+        Parity calls train on the eager output; a confirmation that saw only those gets one more step.
+        """
+        if self._replay_step_seen or self.report.replays == self._replays_at_capture:
+            self._finish_confirmation()
 
     def _finish_confirmation(self) -> None:
         if self.report.replays == self._replays_at_capture:
@@ -368,6 +405,31 @@ class Rollout:
             return
         self.report.stage = Stage.REPLAYING
         rank_zero_info(f"{self.component}: replays confirmed; {self.report.graphs} graph(s) in steady state")
+
+    def _warmup_was_finite(self) -> bool:
+        """Stage 2's one host sync: were the eager warmup losses finite? If not, stay eager (no capture)."""
+        flag, self._warmup_nonfinite = self._warmup_nonfinite, None
+        if flag is None or not bool(flag):
+            return True
+        self._disable(
+            "nonfinite_warmup",
+            detail="a loss was not finite during the eager warmup steps; graphs are not captured over an unstable"
+            " start (raise warmup_steps, or fix the divergence first)",
+        )
+        return False
+
+    def _trainable_unchanged(self) -> bool:
+        """Graphs compute gradients for the parameters that were trainable at capture: roll back if that changed."""
+        problem = self.manager.trainable_problem()
+        if problem is not None:
+            self._rollback(problem)
+        return problem is None
+
+    def _over_memory_budget(self) -> bool:
+        if self.config.max_pool_mib is None or self.report.pool_mib <= self.config.max_pool_mib:
+            return False
+        self._rollback(f"memory_budget: graphs hold {self.report.pool_mib:.1f} MiB > {self.config.max_pool_mib} MiB")
+        return True
 
     def _rollback(self, reason: str, error: BaseException | None = None) -> None:
         self.report.rollbacks += 1
@@ -397,7 +459,7 @@ class Rollout:
         if self.manager is not None:
             self.manager.release()
         self._recorder = None  # its sample inputs are device tensors
-        self._confirm_nonfinite = None
+        self._confirm_nonfinite = self._warmup_nonfinite = None
 
     def check_nonfinite(self, trainer: pl.Trainer) -> None:
         """full_iteration: read the in-graph non-finite counter (one host sync per log interval)."""
@@ -461,6 +523,15 @@ def _eager(run_step: Callable[[], Any]) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*capturable=True.*")
         return run_step()
+
+
+def _or_nonfinite(flag: torch.Tensor | None, outputs: Any) -> torch.Tensor | None:
+    """``flag | ~isfinite(loss)`` on the device (no host sync); ``flag`` when the step returned no loss tensor."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, torch.Tensor):
+        return flag
+    bad = ~torch.isfinite(loss.detach())
+    return bad if flag is None else flag | bad
 
 
 def _fp8_weight_cache(trainer: pl.Trainer, fp8_recipe: Any, component: str) -> Any:

@@ -232,16 +232,25 @@ class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
             )
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        _warn_on_grad_stream_mismatch(True)  # torch's default (it has no getter to read the previous value)
+
+    @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
         if self.root_device.type != "cuda":
             return super()._setup_model(model)
-        if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
-            torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+        _warn_on_grad_stream_mismatch(False)  # DDP keeps eager steps' autograd nodes alive: expected, not a bug
         # Built on the stream training and capture run on, so DDP's retained autograd nodes never name another one.
         with torch.cuda.stream(capture_stream(self.root_device)):
             return torch.nn.parallel.DistributedDataParallel(
                 module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
             )
+
+
+def _warn_on_grad_stream_mismatch(enabled: bool) -> None:
+    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
 
 
 def _attach_callback(trainer: pl.Trainer, config: CUDAGraphConfig) -> CUDAGraphCallback:

@@ -102,7 +102,7 @@ class CapturableOptimizer:
             for key in ("capturable", "fused", "foreach"):
                 if key in group:
                     group[key] = saved[key]
-        if self._steps_on_cpu or not any(saved["capturable"] or saved["fused"] for saved in self._saved):
+        if self._user_keeps_steps_on_cpu:
             for index, entry in list(state["state"].items()):
                 if isinstance(entry.get("step"), Tensor):
                     state["state"][index] = {**entry, "step": entry["step"].cpu()}  # a copy: the live state stays
@@ -115,11 +115,16 @@ class CapturableOptimizer:
             for key in ("capturable", "fused", "foreach"):
                 if key in group:
                     group[key] = saved[key]
-        if self._steps_on_cpu:
+        if self._user_keeps_steps_on_cpu:  # else eager Adam would read a device step count on every step
             for state in self.optimizer.state.values():
                 step = state.get("step")
                 if isinstance(step, Tensor):
                     state["step"] = step.cpu()
+
+    @property
+    def _user_keeps_steps_on_cpu(self) -> bool:
+        """Whether the optimizer as built keeps its step counts on the CPU (neither capturable nor fused)."""
+        return self._steps_on_cpu or not any(saved["capturable"] or saved["fused"] for saved in self._saved)
 
 
 class NonFiniteFlags:
@@ -207,7 +212,7 @@ class FullIterationGraphs:
         finally:
             self._capturing = None
         step.graph = graph
-        step.addresses = _parameter_addresses(module)
+        step.addresses = _state_addresses(module)
         self.report.captures += 1
         self.report.graphs = len(self.graphs)
         self.report.capture_ms = (time.perf_counter() - started) * 1e3
@@ -242,8 +247,8 @@ class FullIterationGraphs:
                     module.log(name, value, *args, **kwargs)
 
     def addresses_moved(self, key: tuple[Any, ...], module: pl.LightningModule) -> bool:
-        """Whether any parameter no longer lives where the graph reads it."""
-        return _parameter_addresses(module) != self.graphs[key].addresses
+        """Whether any parameter or buffer no longer lives where the graph reads it."""
+        return _state_addresses(module) != self.graphs[key].addresses
 
     def plain_checkpoint(self, checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
         """Save optimizers as the user built them (float learning rates, their own flags)."""
@@ -253,14 +258,16 @@ class FullIterationGraphs:
                 capturable.plain_state_dict(state)
 
     def release(self) -> None:
-        """Reset every graph and restore the optimizers."""
-        for step in self.graphs.values():
-            step.reset()
-        self.graphs.clear()
-        for optimizer in self.optimizers.values():
-            optimizer.restore()
-        self.optimizers.clear()
-        self.report.graphs = 0
+        """Reset every graph and restore the optimizers (the optimizers even when a reset fails)."""
+        try:
+            for step in self.graphs.values():
+                step.reset()
+        finally:
+            self.graphs.clear()
+            self.report.graphs = 0
+            optimizers, self.optimizers = list(self.optimizers.values()), {}
+            for optimizer in optimizers:
+                optimizer.restore()
 
 
 @contextlib.contextmanager
@@ -284,5 +291,5 @@ def _logs_recorded(
             del module.log
 
 
-def _parameter_addresses(module: torch.nn.Module) -> list[int]:
-    return [p.data_ptr() for p in module.parameters()]
+def _state_addresses(module: torch.nn.Module) -> list[int]:
+    return [tensor.data_ptr() for tensor in (*module.parameters(), *module.buffers())]

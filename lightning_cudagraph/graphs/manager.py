@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,7 @@ class StepState:
     fallback_reason: str | None = None
     confirming: bool = False
     accumulating: bool = False
+    trainable_checked: bool = False
     problem: str | None = None
     forward_order: list[str] = field(default_factory=list)
     backward_order: list[str] = field(default_factory=list)
@@ -118,6 +119,7 @@ class GraphManager:
         self._guards: list[TargetForward] = []
         self._index = {target.name: i for i, target in enumerate(self.targets)}
         self._step: StepState | None = None
+        self._trainable: list[tuple[str, Tensor, bool]] = []
         self._previous_stream: torch.cuda.Stream | None = None
         self.released = False
 
@@ -136,6 +138,20 @@ class GraphManager:
             for guard in self._guards:
                 guard.module.forward = guard
 
+    def watch_trainable(self, named_parameters: Iterable[tuple[str, Tensor]]) -> None:
+        """Remember which parameters train now: the graphs compute gradients for exactly these."""
+        self._trainable = [(name, param, param.requires_grad) for name, param in named_parameters]
+
+    def trainable_problem(self) -> str | None:
+        """A rollback reason if a parameter's ``requires_grad`` changed since :meth:`watch_trainable`, else ``None``."""
+        for name, param, trainable in self._trainable:
+            if param.requires_grad is not trainable:
+                return (
+                    f"trainable_changed: {name}.requires_grad {trainable} -> {param.requires_grad}; the graphs"
+                    " compute gradients for the parameters that were trainable at capture"
+                )
+        return None
+
     def full_iteration(self) -> FullIterationGraphs:
         """The whole-step graphs (created on first use)."""
         if self.full is None:
@@ -150,25 +166,36 @@ class GraphManager:
         self._step = None
         with contextlib.suppress(RuntimeError):  # a sticky CUDA error must not stop the Python-side cleanup
             self.stream.synchronize()
-        for guard in self._guards:
+        guards, self._guards = self._guards, []
+        for guard in guards:  # first: plain Python, and what a user would trip over most
             guard.restore()
-        self._guards = []
-        for graph_set in self.sets.values():
-            for region in graph_set.regions.values():
-                region.reset()
-        self.sets.clear()
-        if self.full is not None:
-            self.full.release()
-            self.full = None
-        self.report.graphs = 0
+        try:
+            self._reset_graphs()
+        finally:  # whatever a reset raised, training goes back to the stream it came from
+            self.report.graphs = 0
+            self._leave_stream()
+            self.pool = None
+            gc.collect()
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.empty_cache()
+
+    def _reset_graphs(self) -> None:
+        sets, self.sets = list(self.sets.values()), {}
+        full, self.full = self.full, None
+        try:
+            for graph_set in sets:
+                for region in graph_set.regions.values():
+                    region.reset()
+        finally:
+            if full is not None:
+                full.release()
+
+    def _leave_stream(self) -> None:
         if self._previous_stream is not None:
-            self._previous_stream.wait_stream(self.stream)
-            torch.cuda.set_stream(self._previous_stream)
-            self._previous_stream = None
-        self.pool = None
-        gc.collect()
-        with contextlib.suppress(RuntimeError):
-            torch.cuda.empty_cache()
+            previous, self._previous_stream = self._previous_stream, None
+            with contextlib.suppress(RuntimeError):
+                previous.wait_stream(self.stream)
+            torch.cuda.set_stream(previous)
 
     # ----------------------------------------------------------------- steps
     def begin_step(self, state: StepState) -> None:
@@ -193,6 +220,13 @@ class GraphManager:
         region = step.graph_set.regions.get(guard.index) if step.graph_set is not None else None
         if region is None:
             return guard.original(*args, **kwargs)
+        if not step.trainable_checked:  # here, not at batch start: hooks before the forward may (un)freeze
+            step.trainable_checked = True
+            step.problem = self.trainable_problem()
+            if step.problem is not None:
+                step.fallback_reason = "trainable parameters changed since capture"
+                self.report.count_fallback(step.fallback_reason)
+                return guard.original(*args, **kwargs)
         mismatch = self._mismatch(region, guard.module, args, kwargs)
         if mismatch is not None:
             if self.strict_shapes:

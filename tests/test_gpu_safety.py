@@ -1,0 +1,110 @@
+"""Safety nets on a GPU, for scoped and whole-step graphs: an unstable warmup, a parameter unfrozen after capture,
+a memory budget. Run with `pytest -m cuda`."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from examples.gpt import GPTModule
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
+from tests.helpers import (
+    SMALL,
+    LossRecorder,
+    assert_losses_close,
+    gpt,
+    graph_pool_bytes,
+    max_param_diff,
+    parameters_of,
+    patched_forwards,
+    trainer,
+)
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
+
+STEPS, WARMUP, UNFREEZE_AT = 16, 3, 8
+LR = 3e-4  # a calm run: no loss spike to amplify the last-bit differences of atomics between runs
+MODES = [pytest.param("layer", id="layer"), pytest.param("full_iteration", id="full_iteration")]
+
+
+def _fit(model, mode, callbacks=(), **options):
+    """Train ``model`` with graphs in ``mode`` (or eagerly for ``mode=None``); return losses and the callback."""
+    _, data = gpt(SMALL)
+    losses = LossRecorder()
+    strategy, graph_callbacks = "auto", []
+    if mode == "full_iteration":
+        strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP, **options)
+    elif mode is not None:
+        graph_callbacks = [CUDAGraphCallback(scope=[mode], warmup_steps=WARMUP, **options)]
+    fit = trainer(STEPS, [losses, *callbacks, *graph_callbacks], accelerator="cuda", devices=1, strategy=strategy)
+    fit.fit(model, data)
+    found = [cb for cb in fit.callbacks if isinstance(cb, CUDAGraphCallback)]
+    return losses.losses, (found[0] if found else None), fit
+
+
+class _NaNLossAtStep1(GPTModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == 1 else loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nonfinite_warmup_loss_keeps_graphs_off(mode):
+    pl.seed_everything(0, verbose=False)
+    model = _NaNLossAtStep1(**SMALL)
+    _, callback, _ = _fit(model, mode)
+    report = callback.report
+    assert report.stage == Stage.DISABLED
+    assert report.reason == "nonfinite_warmup"
+    assert report.captures == 0
+    assert patched_forwards(model) == []
+    assert graph_pool_bytes() == 0
+
+
+class _Unfreeze(pl.Callback):
+    """Makes the first block trainable at the start of step ``UNFREEZE_AT`` (like a backbone-finetuning schedule)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == UNFREEZE_AT:
+            pl_module.model.blocks[0].requires_grad_(True)
+
+
+def _frozen_first_block(**overrides):
+    model, _ = gpt(SMALL, lr=LR, **overrides)
+    model.model.blocks[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unfreezing_a_parameter_after_capture_rolls_back_on_that_step(mode):
+    # Eager reference: the optimizer in the form the whole-step graph runs it until the rollback.
+    eager_model = _frozen_first_block(capturable=mode == "full_iteration")
+    eager, _, _ = _fit(eager_model, None, callbacks=[_Unfreeze()])
+    model = _frozen_first_block()
+    graphed, callback, _ = _fit(model, mode, callbacks=[_Unfreeze()])
+
+    report = callback.report
+    assert report.rollbacks == 1
+    (reason,) = report.rollback_reasons
+    assert reason.startswith("trainable_changed: ") and "blocks.0." in reason, reason
+    # Had a graph run step UNFREEZE_AT, the first block would have missed that step's update.
+    assert max_param_diff(parameters_of(eager_model), parameters_of(model)) < 1e-4
+    assert_losses_close(eager, graphed, 1e-4)
+    assert patched_forwards(model) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_budget_rolls_back_and_gives_the_optimizer_back(mode):
+    model, _ = gpt(SMALL, lr=LR)
+    losses, callback, fit = _fit(model, mode, max_pool_mib=1.0)
+    report = callback.report
+    assert report.stage == Stage.DISABLED
+    assert report.rollbacks == 1 and "memory_budget" in report.rollback_reasons[0], report.rollback_reasons
+    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
+    assert patched_forwards(model) == [] and graph_pool_bytes() == 0
+    (optimizer,) = fit.optimizers
+    (group,) = optimizer.param_groups
+    assert isinstance(group["lr"], float) and not group["capturable"]
+    # As built: step counts on the CPU, so eager AdamW does not read a device tensor on every step.
+    assert all(state["step"].device.type == "cpu" for state in optimizer.state.values())
