@@ -36,6 +36,8 @@ GAIN_THRESHOLD = 1.05
 
 CONFIG_ORDER = ("small", "medium", "moe", "tiny")
 PRECISION_ORDER = ("32-true", "bf16-mixed")
+#: The Transformer Engine variants (measured only where TE is installed); their runs get their own files.
+TE_VARIANTS = ("te_eager", "te_layer")
 PRECISION_LABELS = {"32-true": "fp32", "bf16-mixed": "bf16-mixed", "transformer-engine": "FP8 (transformer-engine)"}
 MISSING = "n/a"
 
@@ -273,7 +275,7 @@ def record_stem(run: dict[str, Any]) -> str:
     if is_sweep(run):
         return f"sweep_{run.get('sweep', 'batch')}_{stem}"
     variants = [r["variant"] for r in run.get("results", [])]
-    return f"{stem}_te" if variants and all(v.startswith("te_") for v in variants) else stem
+    return f"{stem}_te" if variants and all(v in TE_VARIANTS for v in variants) else stem
 
 
 def chart_name(run: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from benchmarks.report import TE_VARIANTS
 from examples.gpt import GPTModule, TokenDataModule
 from examples.moe import MoEGPTModule
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
@@ -44,7 +45,6 @@ SCOPE_VARIANTS = {
 #: Where ``te_layer`` finds the Transformer Engine GPT (written separately; optional).
 TE_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "te_gpt.py")
 TE_SKIPPED = "skipped: Transformer Engine not installed"
-TE_VARIANTS = ("te_eager", "te_layer")
 
 
 @dataclass

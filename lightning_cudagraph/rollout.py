@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_cudagraph import preflight
 from lightning_cudagraph._lightning import set_closure_result
 from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.graphs.full import step_loss
 from lightning_cudagraph.graphs.local import capture_regions
 from lightning_cudagraph.graphs.manager import GraphManager, StepState
 from lightning_cudagraph.health import CUDAGraphReport, Stage, StepTimer, log_to_loggers, median
@@ -527,8 +528,8 @@ def _eager(run_step: Callable[[], Any]) -> Any:
 
 def _or_nonfinite(flag: torch.Tensor | None, outputs: Any) -> torch.Tensor | None:
     """``flag | ~isfinite(loss)`` on the device (no host sync); ``flag`` when the step returned no loss tensor."""
-    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    if not isinstance(loss, torch.Tensor):
+    loss = step_loss(outputs)
+    if loss is None:
         return flag
     bad = ~torch.isfinite(loss.detach())
     return bad if flag is None else flag | bad

@@ -46,6 +46,17 @@ class LossRecorder(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class RaiseAtStep(pl.Callback):
+    """Fails the fit at the start of optimizer step ``step``."""
+
+    def __init__(self, step: int, message: str | None = None) -> None:
+        self.step, self.message = step, message or f"user error at step {step}"
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(self.message)
+
+
 def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().cpu().clone() for name, p in module.named_parameters()}
 

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from examples.gpt import GPTModule, TokenDataModule
 from lightning_cudagraph import CUDAGraphCallback, Stage
+from tests.helpers import LossRecorder, RaiseAtStep
 
 TINY_MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "width": 32, "heads": 2}
 TINY_DATA = {"vocab_size": 64, "seq_len": 16, "batch_size": 4, "train_samples": 64}
@@ -56,31 +57,6 @@ class PlainModule(pl.LightningModule):
         generator = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator))
         return DataLoader(data, batch_size=4)
-
-
-class LossRecorder(pl.Callback):
-    """Keeps every training loss, as a user comparing two runs would."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.losses.append(float(outputs["loss"]))
-
-
-class RaiseAtStep(pl.Callback):
-    """Fails the fit at the start of optimizer step ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError(f"user error at step {self.step}")
 
 
 def tiny_gpt(**options: Any) -> TinyGPT:

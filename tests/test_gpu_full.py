@@ -15,6 +15,7 @@ from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGra
 from tests.helpers import (
     SMALL,
     LossRecorder,
+    RaiseAtStep,
     assert_losses_close,
     gpt,
     graph_pool_bytes,
@@ -223,14 +224,9 @@ def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
 
 
 def test_exception_releases_graphs_pool_and_optimizer():
-    class Boom(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == 9:
-                raise RuntimeError("boom")
-
     def failed_fit():
         model, data = gpt(SMALL)
-        fit = trainer(STEPS, [Boom()], accelerator="cuda", devices=1, strategy=full())
+        fit = trainer(STEPS, [RaiseAtStep(9, "boom")], accelerator="cuda", devices=1, strategy=full())
         with pytest.raises(RuntimeError, match="boom"):
             fit.fit(model, data)
         (group,) = fit.optimizers[0].param_groups

@@ -13,6 +13,7 @@ from tests.helpers import (
     SMALL,
     TINY,
     LossRecorder,
+    RaiseAtStep,
     assert_losses_close,
     gpt,
     graph_pool_bytes,
@@ -157,15 +158,10 @@ def test_gradient_accumulation_and_clipping_match_eager():
 def _failed_fit() -> tuple[int, object]:
     """Memory once a graphed fit died mid-training and every reference to it is gone (the report is plain data)."""
 
-    class Boom(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == 9:
-                raise RuntimeError("boom")
-
     model, data = gpt(SMALL)
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     with pytest.raises(RuntimeError, match="boom"):
-        trainer(STEPS, [callback, Boom()], accelerator="cuda", devices=1).fit(model, data)
+        trainer(STEPS, [callback, RaiseAtStep(9, "boom")], accelerator="cuda", devices=1).fit(model, data)
     assert patched_forwards(model) == []
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     report = callback.report

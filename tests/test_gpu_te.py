@@ -13,6 +13,7 @@ from lightning_cudagraph import CUDAGraphCallback, Stage
 from tests.helpers import (
     SMALL,
     LossRecorder,
+    RaiseAtStep,
     assert_losses_close,
     gpt,
     graph_pool_bytes,
@@ -179,15 +180,10 @@ def test_te_fp8_weights_quantized_once_per_accumulation_window():
 
 
 def test_te_release_frees_memory_after_an_exception():
-    class Boom(pl.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == 8:
-                raise RuntimeError("boom")
-
     def failed():
         callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
         with pytest.raises(RuntimeError, match="boom"):
-            _train(callback, fp8=False, probe=Boom())
+            _train(callback, fp8=False, probe=RaiseAtStep(8, "boom"))
         report = callback.report
         del callback
         return settled_memory(), report

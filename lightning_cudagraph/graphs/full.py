@@ -127,6 +127,12 @@ class CapturableOptimizer:
         return self._steps_on_cpu or not any(saved["capturable"] or saved["fused"] for saved in self._saved)
 
 
+def step_loss(output: Any) -> Tensor | None:
+    """The loss of a ``training_step`` output (a tensor, or a dict with ``"loss"``), or ``None``."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    return loss if isinstance(loss, Tensor) else None
+
+
 class NonFiniteFlags:
     """Device tensors the captured step writes: how many losses were not finite, and the first such step."""
 
@@ -224,8 +230,8 @@ class FullIterationGraphs:
         if step is None:
             return
         step.output = output
-        loss = output.get("loss") if isinstance(output, dict) else output
-        if isinstance(loss, Tensor):
+        loss = step_loss(output)
+        if loss is not None:
             self.flags.update(loss)
 
     def replay(self, key: tuple[Any, ...], global_step: int) -> Any:
