@@ -5,14 +5,15 @@ Thin Lightning hooks that hand each event to the staged rollout (:mod:`lightning
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_cudagraph.config import AUTO, CUDAGraphConfig
+from lightning_cudagraph.config import CUDAGraphConfig, config_error, takes_graph_options
+from lightning_cudagraph.environment import ensure_graph_safe_allocator
+from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.rollout import Rollout
 
@@ -51,10 +52,12 @@ class CUDAGraphCallback(Callback):
             counted), ``"recapture"`` (a second sighting is captured, up to ``max_graphs`` graph sets) or
             ``"error"``.
         on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
-        max_graphs: Most graph sets (input signatures) kept with ``on_shape_change="recapture"``.
+        max_graphs: Most graph sets (input signatures) kept with ``on_shape_change="recapture"`` (at least 2;
+            4 when not given). Only with ``"recapture"``: the other policies keep one graph set.
         confirm_steps: Steps after capture that are checked before the graphs are trusted.
-        parity_tol: Largest relative difference allowed between graphed and eager forwards; by default 1e-4 in
-            float32 and 2e-2 under autocast.
+        parity_tol: Largest relative difference allowed between graphed and eager forwards, at most 0.25 (above
+            that the check could not tell a wrong graph from a right one); by default 1e-4 in float32, 2e-2 under
+            autocast and 0.125 under FP8.
         max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
 
     Raises:
@@ -70,33 +73,16 @@ class CUDAGraphCallback(Callback):
         <Stage.WARMUP: 0>
     """
 
-    def __init__(
-        self,
-        impl: Literal["none", "local", "transformer_engine"] = "local",
-        scope: str | Sequence[str] = AUTO,
-        warmup_steps: int = 3,
-        modules: Mapping[str, Any] | None = None,
-        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
-        on_failure: Literal["eager", "raise"] = "eager",
-        max_graphs: int = 4,
-        confirm_steps: int = 2,
-        parity_tol: float | None = None,
-        max_pool_mib: float | None = None,
-    ) -> None:
-        self.config = CUDAGraphConfig.from_options(
-            type(self).__name__,
-            impl=impl,
-            scope=scope,
-            warmup_steps=warmup_steps,
-            modules=modules,
-            on_shape_change=on_shape_change,
-            on_failure=on_failure,
-            max_graphs=max_graphs,
-            confirm_steps=confirm_steps,
-            parity_tol=parity_tol,
-            max_pool_mib=max_pool_mib,
-        )
-        self.rollout = Rollout(self.config, type(self).__name__)
+    #: The capture backend for the next fit; ``None`` uses CUDA on a CUDA device. A test double or another
+    #: accelerator's backend (:class:`~lightning_cudagraph.graphs.backend.CaptureBackend`) can be set here.
+    capture_backend: CaptureBackend | None = None
+
+    @takes_graph_options
+    def __init__(self, config: CUDAGraphConfig) -> None:
+        self.config = config
+        if config.enabled:
+            ensure_graph_safe_allocator(type(self).__name__)
+        self.rollout = Rollout(config, type(self).__name__)
 
     @property
     def report(self) -> CUDAGraphReport:
@@ -111,7 +97,9 @@ class CUDAGraphCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self.rollout = Rollout(self.config, type(self).__name__)  # each fit starts fresh; resume restores counters
+            # Each fit starts fresh (resume restores the counters).
+            self.rollout = Rollout(self.config, type(self).__name__, self.capture_backend)
+            _refuse_a_second_callback(trainer, self)
             self.rollout.setup(trainer, pl_module)
 
     @override
@@ -172,3 +160,16 @@ class CUDAGraphCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rollout.report.load_state_dict(state_dict.get("report", {}))
+
+
+def _refuse_a_second_callback(trainer: pl.Trainer, callback: CUDAGraphCallback) -> None:
+    """Two rollouts on one Trainer would patch the same forwards and fight over the stream: refuse it."""
+    others = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback) and cb is not callback]
+    if others:
+        raise config_error(
+            type(callback).__name__,
+            "Trainer(callbacks=...)",
+            f"{len(others) + 1} CUDAGraphCallbacks",
+            "one CUDAGraphCallback per Trainer (a cudagraph strategy adds one when there is none)",
+            "pass a single CUDAGraphCallback with every scope in its scope list, e.g. scope=['attn', 'mlp']",
+        )

@@ -1,19 +1,23 @@
-"""Options of the staged rollout, and their validation before any GPU work.
+"""Options of the staged rollout, declared once, and their validation before any GPU work.
 
-Every rule raises ``ValueError`` with four parts: the component, the offending value, the allowed values, and
-the fix. Rules that need the Trainer live in :mod:`lightning_cudagraph.preflight`.
+:class:`CUDAGraphConfig` is the one declaration of the options: their names, accepted types and defaults.
+:func:`takes_graph_options` gives the callback and both strategies explicit, typed signatures built from it, so
+LightningCLI and ``help()`` see every option. Every rule raises ``ValueError`` with four parts: the component, the
+offending value, the allowed values, and the fix. Rules that need the Trainer live in
+:mod:`lightning_cudagraph.preflight`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import os
+import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar, get_type_hints
 
 import torch.nn as nn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 #: A way to find modules: a glob on the qualified name, a module class, or a predicate ``(name, module) -> bool``.
 Selector = str | type | Callable[[str, nn.Module], bool]
@@ -25,6 +29,11 @@ IMPLS = ("none", "local", "transformer_engine")
 SHAPE_CHANGE_POLICIES = ("eager", "recapture", "error")
 FAILURE_POLICIES = ("eager", "raise")
 TE_INSTALL = 'pip install --no-build-isolation "transformer_engine[pytorch]"'
+#: Graph sets kept with ``on_shape_change="recapture"`` when ``max_graphs`` is not given.
+DEFAULT_MAX_GRAPHS = 4
+#: Largest ``parity_tol``: the check compares ``max|graphed - eager| / max|eager|``, and above this a forward that
+#: is off by a sign or a factor of two could pass. FP8 (3 mantissa bits) needs 0.125.
+MAX_PARITY_TOL = 0.25
 
 
 def config_error(component: str, option: str, value: Any, allowed: str, fix: str) -> ValueError:
@@ -32,21 +41,32 @@ def config_error(component: str, option: str, value: Any, allowed: str, fix: str
     return ValueError(f"{component}: `{option}={value!r}` is not supported. Allowed: {allowed}. Fix: {fix}")
 
 
+def _accepts(annotation: Any) -> dict[str, Any]:
+    """Field metadata: the type a user passes, when the stored (normalized) type differs."""
+    return {"accepts": annotation}
+
+
 @dataclass(frozen=True)
 class CUDAGraphConfig:
-    """Validated options shared by :class:`~lightning_cudagraph.CUDAGraphCallback` and the strategies.
+    """The options of :class:`~lightning_cudagraph.CUDAGraphCallback` and the strategies, validated.
 
-    Build it with :meth:`from_options`, which normalizes and validates; the fields mirror the callback's
-    arguments (see its docstring).
+    The fields are the options, documented on the callback. Build it with :meth:`from_options`, which normalizes
+    (``scope`` to a tuple, ``modules`` to tuples of selectors) and validates.
+
+    Example:
+        >>> CUDAGraphConfig.from_options("CUDAGraphCallback", scope="attn,mlp").scope
+        ('attn', 'mlp')
     """
 
-    impl: str = "local"
-    scope: tuple[str, ...] = (AUTO,)
+    impl: Literal["none", "local", "transformer_engine"] = "local"
+    scope: tuple[str, ...] = field(default=(AUTO,), metadata=_accepts(str | Sequence[str]))
     warmup_steps: int = 3
-    modules: Mapping[str, tuple[Selector, ...]] = field(default_factory=dict)
-    on_shape_change: str = "eager"
-    on_failure: str = "eager"
-    max_graphs: int = 4
+    modules: Mapping[str, tuple[Selector, ...]] = field(
+        default_factory=dict, metadata=_accepts(Mapping[str, Any] | None)
+    )
+    on_shape_change: Literal["eager", "recapture", "error"] = "eager"
+    on_failure: Literal["eager", "raise"] = "eager"
+    max_graphs: int | None = None
     confirm_steps: int = 2
     parity_tol: float | None = None
     max_pool_mib: float | None = None
@@ -72,38 +92,37 @@ class CUDAGraphConfig:
 
     @property
     def auto_scope(self) -> bool:
-        """Whether the narrowest scope that finds modules is chosen at setup."""
+        """Whether the scope is chosen from the model (``scope="auto"``)."""
         return self.scope == (AUTO,)
 
     @property
-    def capture_after(self) -> int:
+    def eager_steps(self) -> int:
         """Optimizer steps that run eagerly before capture (at least one, to record input signatures)."""
         return max(self.warmup_steps, 1)
 
+    @property
+    def graph_set_limit(self) -> int:
+        """Most graph sets (one per batch shape) held at once."""
+        if self.on_shape_change != "recapture":
+            return 1
+        return self.max_graphs if self.max_graphs is not None else DEFAULT_MAX_GRAPHS
+
     def options(self) -> dict[str, Any]:
-        """The options as keyword arguments, for building a callback from a strategy."""
-        return {
-            "impl": self.impl,
-            "scope": list(self.scope) if not self.auto_scope else AUTO,
-            "warmup_steps": self.warmup_steps,
-            "modules": {k: list(v) for k, v in self.modules.items()} or None,
-            "on_shape_change": self.on_shape_change,
-            "on_failure": self.on_failure,
-            "max_graphs": self.max_graphs,
-            "confirm_steps": self.confirm_steps,
-            "parity_tol": self.parity_tol,
-            "max_pool_mib": self.max_pool_mib,
-        }
+        """The options as keyword arguments, in the form a user passes them (to build a callback from a strategy)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["scope"] = AUTO if self.auto_scope else list(self.scope)
+        values["modules"] = {name: list(selectors) for name, selectors in self.modules.items()} or None
+        return values
 
     def _validate(self, component: str) -> None:
         _check_choice(component, "impl", self.impl, IMPLS, "pass impl='local' (PyTorch graphs)")
         _check_choice(component, "on_shape_change", self.on_shape_change, SHAPE_CHANGE_POLICIES, "pick one of them")
         _check_choice(component, "on_failure", self.on_failure, FAILURE_POLICIES, "pick one of them")
         _check_int(component, "warmup_steps", self.warmup_steps, 0, "pass a count of eager steps, e.g. 3")
-        _check_int(component, "max_graphs", self.max_graphs, 1, "pass at least 1")
         _check_int(component, "confirm_steps", self.confirm_steps, 1, "pass at least 1")
-        _check_positive(component, "parity_tol", self.parity_tol, "pass a relative tolerance such as 1e-3, or None")
         _check_positive(component, "max_pool_mib", self.max_pool_mib, "pass a budget in MiB, or None for no limit")
+        self._validate_parity_tol(component)
+        self._validate_max_graphs(component)
         self._validate_scope(component)
         if self.impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
             raise config_error(
@@ -114,8 +133,42 @@ class CUDAGraphConfig:
                 f"install it (`{TE_INSTALL}`, or `pip install lightning-cudagraph[transformer-engine]`)"
                 " or pass impl='local'",
             )
-        if self.enabled:
-            ensure_graph_safe_allocator(component)
+
+    def _validate_parity_tol(self, component: str) -> None:
+        value = self.parity_tol
+        if value is None:
+            return
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or not 0 < value <= MAX_PARITY_TOL:
+            raise config_error(
+                component,
+                "parity_tol",
+                value,
+                f"a relative tolerance in (0, {MAX_PARITY_TOL}], or None for the precision's default",
+                f"pass e.g. 1e-3; a larger tolerance would let a wrong graph pass confirmation (above"
+                f" {MAX_PARITY_TOL}, a forward off by a factor of two is indistinguishable)",
+            )
+
+    def _validate_max_graphs(self, component: str) -> None:
+        if self.max_graphs is None:
+            return
+        _check_int(component, "max_graphs", self.max_graphs, 1, "pass at least 2 with on_shape_change='recapture'")
+        if self.on_shape_change != "recapture":
+            raise config_error(
+                component,
+                "max_graphs",
+                self.max_graphs,
+                "max_graphs only with on_shape_change='recapture' (the other policies keep one graph set)",
+                "pass on_shape_change='recapture' as well, or drop max_graphs",
+            )
+        if self.max_graphs < 2:
+            raise config_error(
+                component,
+                "max_graphs",
+                self.max_graphs,
+                "at least 2 with on_shape_change='recapture' (the first shape already holds one graph set)",
+                "pass max_graphs=2 or more, or on_shape_change='eager' to run other shapes eagerly",
+            )
 
     def _validate_scope(self, component: str) -> None:
         known = (*SCOPES, *(k for k in self.modules if k not in SCOPES))
@@ -128,30 +181,7 @@ class CUDAGraphConfig:
                     component, "scope", list(self.scope), allowed, f"remove {name!r} or define it with modules=..."
                 )
         if FULL_ITERATION in self.scope:
-            if len(self.scope) > 1:
-                raise config_error(
-                    component,
-                    "scope",
-                    list(self.scope),
-                    "'full_iteration' alone, or scoped names without it",
-                    "full_iteration captures the whole step; pass scope=['full_iteration'] alone",
-                )
-            if self.impl != "local":
-                raise config_error(
-                    component,
-                    "impl",
-                    self.impl,
-                    "'local' with scope=['full_iteration']",
-                    "pass impl='local', or a scoped capture such as scope=['layer'] for Transformer Engine",
-                )
-            if self.warmup_steps < 1:
-                raise config_error(
-                    component,
-                    "warmup_steps",
-                    self.warmup_steps,
-                    "at least 1 with full_iteration",
-                    "the optimizer creates its state in an eager step; pass warmup_steps=3",
-                )
+            self._validate_full_iteration(component)
         if "moe" in self.scope and "moe_router" in self.scope:
             raise config_error(
                 component,
@@ -169,32 +199,76 @@ class CUDAGraphConfig:
                 "add 'moe_router' (the preprocess consumes the router's output)",
             )
 
+    def _validate_full_iteration(self, component: str) -> None:
+        if len(self.scope) > 1:
+            raise config_error(
+                component,
+                "scope",
+                list(self.scope),
+                "'full_iteration' alone, or scoped names without it",
+                "full_iteration captures the whole step; pass scope=['full_iteration'] alone",
+            )
+        if self.impl != "local":
+            raise config_error(
+                component,
+                "impl",
+                self.impl,
+                "'local' with scope=['full_iteration']",
+                "pass impl='local', or a scoped capture such as scope=['layer'] for Transformer Engine",
+            )
+        if self.warmup_steps < 1:
+            raise config_error(
+                component,
+                "warmup_steps",
+                self.warmup_steps,
+                "at least 1 with full_iteration",
+                "the optimizer creates its state in an eager step; pass warmup_steps=3",
+            )
 
-def ensure_graph_safe_allocator(component: str) -> None:
-    """Guard the allocator setting that makes NCCL and CUDA graphs fault: set the fix, or refuse a conflicting one.
 
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` with NCCL buffer registration in graphs causes illegal
-    memory accesses; ``NCCL_GRAPH_REGISTER=0`` avoids them. Unset, it is set here (before any process group
-    starts); explicitly set to anything else, it is an error.
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def takes_graph_options(init: _Init) -> _Init:
+    """Give ``__init__(self, config, **own)`` a signature that lists every option of :class:`CUDAGraphConfig`.
+
+    The decorated ``__init__`` accepts the options (positionally first, or by keyword) followed by its own
+    parameters, validates the options into a :class:`CUDAGraphConfig` named after the class, and receives that.
+    The signature is a real one (``inspect.signature``, LightningCLI, jsonargparse), with types and defaults.
     """
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    if "expandable_segments:true" not in alloc_conf:
-        return
-    register = os.environ.get("NCCL_GRAPH_REGISTER")
-    if register is None:
-        os.environ["NCCL_GRAPH_REGISTER"] = "0"
-        rank_zero_info(
-            f"{component}: set NCCL_GRAPH_REGISTER=0 because PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True"
-            " (NCCL's graph buffer registration faults on expandable segments)."
+    hints = get_type_hints(CUDAGraphConfig)
+    options = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=AUTO if f.name == "scope" else None if f.name == "modules" else f.default,
+            annotation=f.metadata.get("accepts", hints[f.name]),
         )
-    elif register != "0":
-        raise config_error(
-            component,
-            "NCCL_GRAPH_REGISTER",
-            register,
-            "'0' while PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True",
-            "export NCCL_GRAPH_REGISTER=0, or drop expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF",
-        )
+        for f in fields(CUDAGraphConfig)
+    ]
+    own_hints = get_type_hints(init)
+    own = [
+        parameter.replace(annotation=own_hints.get(parameter.name, parameter.annotation))
+        for parameter in inspect.signature(init).parameters.values()
+    ]
+    self_parameter, own = own[0], own[2:]  # drop ``config``: the options stand in its place
+    signature = inspect.Signature([self_parameter, *options, *own], return_annotation=None)
+    names = [option.name for option in options]
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        values.pop(self_parameter.name)
+        config = CUDAGraphConfig.from_options(type(self).__name__, **{n: values.pop(n) for n in names})
+        extra = {p.name: values.pop(p.name) for p in own if p.kind is inspect.Parameter.VAR_KEYWORD}
+        init(self, config, **values, **next(iter(extra.values()), {}))
+
+    wrapper.__signature__ = signature  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in signature.parameters.values() if p is not self_parameter}
+    del wrapper.__wrapped__  # the signature above, not the inner one, is the public one
+    return wrapper  # type: ignore[return-value]
 
 
 def _normalize_scope(component: str, scope: Any) -> tuple[str, ...]:

@@ -19,9 +19,11 @@ from lightning.pytorch.plugins.precision import (
 )
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
-from lightning_cudagraph.config import CUDAGraphConfig, config_error
-from lightning_cudagraph.graphs.full import CAPTURABLE_OPTIMIZERS
-from lightning_cudagraph.scopes import Target
+from lightning_cudagraph._lightning import anomaly_detection_on
+from lightning_cudagraph.config import SCOPES, CUDAGraphConfig, config_error
+from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
+from lightning_cudagraph.hooks import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS
+from lightning_cudagraph.scopes import ScopeResolution, Target, resolve_scopes
 
 #: Eager DDP steps NCCL needs before the all-reduce can be captured (PyTorch's CUDA-graph notes).
 DDP_FULL_ITERATION_MIN_WARMUP = 11
@@ -32,16 +34,17 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
     """Strategy, precision and loop settings that graphs cannot work with."""
     _check_strategy(config, trainer, component)
     _check_precision(config, trainer, component)
-    if not config.full_iteration:
-        return
-    if getattr(trainer, "_detect_anomaly", False):
+    if anomaly_detection_on(trainer):
         raise config_error(
             component,
             "Trainer(detect_anomaly=...)",
             True,
-            "detect_anomaly=False with scope=['full_iteration']",
-            "anomaly mode checks every backward output on the host; turn it off, or use a scoped capture",
+            "detect_anomaly=False while CUDA graphs are on",
+            "anomaly mode checks every backward output on the host, which a captured backward cannot do; turn it"
+            " off while training with graphs, or pass impl='none' to debug eagerly",
         )
+    if not config.full_iteration:
+        return
     if trainer.accumulate_grad_batches > 1:
         raise config_error(
             component,
@@ -59,6 +62,51 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
             False,
             "automatic optimization with scope=['full_iteration']",
             "use a scoped capture (scope=['layer'] or ['attn', 'mlp']) with manual optimization",
+        )
+
+
+def check_auto_overrides(
+    config: CUDAGraphConfig, module: pl.LightningModule, resolution: ScopeResolution, component: str
+) -> None:
+    """Under ``scope="auto"``: every ``modules=`` override must find modules, and custom scopes must be named."""
+    if not config.auto_scope:
+        return
+    custom = [name for name in config.modules if name not in SCOPES]
+    if custom:
+        raise config_error(
+            component,
+            "modules",
+            custom,
+            "custom scopes together with a scope list that names them",
+            f"pass scope={custom!r} (plus any built-in scopes you want), since scope='auto' picks among the built-in"
+            " scopes only",
+        )
+    for name in config.modules:
+        resolve_scopes(module, [name], config.modules, component)  # raises if the override matches nothing
+
+
+def check_full_iteration_hooks(config: CUDAGraphConfig, module: pl.LightningModule, component: str) -> None:
+    """Refuse module hooks under full_iteration: they would run once, at capture, and be replayed as captured."""
+    if not config.full_iteration:
+        return
+    from torch.nn.modules import module as module_globals
+
+    hooked = [
+        name or type(module).__name__
+        for name, child in module.named_modules()
+        if any(getattr(child, attribute, None) for attribute in MODULE_HOOK_DICTS)
+    ]
+    if any(getattr(module_globals, attribute) for attribute in GLOBAL_HOOK_DICTS):
+        hooked.append("<global module hooks>")
+    if hooked:
+        raise config_error(
+            component,
+            "scope",
+            list(config.scope),
+            "full_iteration on modules without forward or backward hooks",
+            f"{', '.join(hooked[:5])} carry hooks, whose Python would run once at capture and never again; remove"
+            " them (hook.remove()) for the fit, or use a scoped capture (scope=['layer']), which keeps hooks on"
+            " the captured regions firing",
         )
 
 
@@ -137,14 +185,19 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
         and isinstance(strategy, DDPStrategy)
         and config.warmup_steps < DDP_FULL_ITERATION_MIN_WARMUP
     ):
-        raise config_error(
-            component,
-            "warmup_steps",
-            config.warmup_steps,
-            f">= {DDP_FULL_ITERATION_MIN_WARMUP} when full_iteration runs under DDP",
-            f"pass warmup_steps={DDP_FULL_ITERATION_MIN_WARMUP}: NCCL needs that many eager DDP steps before its"
-            " all-reduce can be captured",
-        )
+        raise ddp_warmup_error(component, config.warmup_steps)
+
+
+def ddp_warmup_error(component: str, warmup_steps: int) -> ValueError:
+    """The error for too few eager steps before a whole-step capture under DDP."""
+    return config_error(
+        component,
+        "warmup_steps",
+        warmup_steps,
+        f">= {DDP_FULL_ITERATION_MIN_WARMUP} when full_iteration runs under DDP",
+        f"pass warmup_steps={DDP_FULL_ITERATION_MIN_WARMUP}: NCCL needs that many eager DDP steps before its"
+        " all-reduce can be captured",
+    )
 
 
 def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:

@@ -7,14 +7,13 @@ to serve as the capture's sample inputs: real data, so a capture never feeds a m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_cudagraph.graphs.local import RecordedCall
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.signature import (
     CallSignature,
@@ -23,6 +22,17 @@ from lightning_cudagraph.signature import (
     distinct_tensors,
     signatures_equal,
 )
+
+
+@dataclass
+class RecordedCall:
+    """A target's call seen during eager warmup: how to run it, what it was called with, and its signature."""
+
+    name: str
+    module: torch.nn.Module
+    forward: Callable[..., Any]
+    signature: CallSignature
+    samples: list[Tensor]
 
 
 @dataclass
@@ -86,6 +96,11 @@ class WarmupRecorder:
         """Close the step (a step with no target call is still kept: it says the targets did not run)."""
         if self._current is not None:
             self.steps = [*self.steps[-(self._history - 1) :], self._current]
+        self._current = None
+
+    def clear(self) -> None:
+        """Forget every recorded step (their sample inputs hold device memory)."""
+        self.steps = []
         self._current = None
 
     def discard_step(self) -> None:

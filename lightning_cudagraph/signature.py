@@ -8,6 +8,7 @@ one moved.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,8 +58,8 @@ class CallSignature:
         """Leaf positions that hold distinct tensors (the graph's inputs), in order."""
         return tuple(i for i, leaf in enumerate(self.leaves) if isinstance(leaf, TensorSpec) and self.aliases[i] == i)
 
-    @property
-    def fast_key(self) -> tuple[tuple[torch.Size, torch.dtype, bool], ...] | None:
+    @functools.cached_property
+    def positional_key(self) -> tuple[tuple[torch.Size, torch.dtype, bool], ...] | None:
         """For the common call ``module(t0, t1, ...)`` with distinct tensors and no keywords: a cheap key."""
         if self.spec != _positional_spec(len(self.leaves)) or self.aliases != tuple(range(len(self.leaves))):
             return None
@@ -82,7 +83,7 @@ def call_signature(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     return CallSignature(spec, tuple(described), tuple(aliases), module.training, *grad_and_autocast_state())
 
 
-def fast_key(args: tuple[Any, ...]) -> tuple[tuple[torch.Size, torch.dtype, bool], ...] | None:
+def positional_key(args: tuple[Any, ...]) -> tuple[tuple[torch.Size, torch.dtype, bool], ...] | None:
     """The cheap key of a positional, tensor-only call (``None`` when the call is not of that form)."""
     key = []
     for arg in args:

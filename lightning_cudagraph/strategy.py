@@ -9,8 +9,8 @@ buffers), ``training_step`` (the captured output), ``optimizer_step`` (capture a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -19,10 +19,12 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_cudagraph._lightning import single_device_root, trainer_of
 from lightning_cudagraph.callback import CUDAGraphCallback
-from lightning_cudagraph.config import AUTO, CUDAGraphConfig, config_error
-from lightning_cudagraph.graphs.manager import capture_stream
-from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP
+from lightning_cudagraph.config import CUDAGraphConfig, takes_graph_options
+from lightning_cudagraph.environment import ensure_graph_safe_allocator
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP, ddp_warmup_error
 from lightning_cudagraph.rollout import Rollout
 
 
@@ -30,9 +32,13 @@ class _CUDAGraphStrategyMixin:
     """The graph options and the whole-step override points, shared by the single-device and DDP strategies."""
 
     supports_full_iteration = True
+    #: Handed to the callback this strategy attaches (see :attr:`CUDAGraphCallback.capture_backend`).
+    capture_backend: CaptureBackend | None = None
 
-    def _init_graph_options(self, **options: Any) -> None:
-        self.cudagraph_config = CUDAGraphConfig.from_options(type(self).__name__, **options)
+    def _init_graph_options(self, config: CUDAGraphConfig) -> None:
+        self.cudagraph_config = config
+        if config.enabled:
+            ensure_graph_safe_allocator(type(self).__name__)
         self._callback: CUDAGraphCallback | None = None
 
     @property
@@ -43,9 +49,9 @@ class _CUDAGraphStrategyMixin:
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        trainer = model._trainer
+        trainer = trainer_of(model)
         if trainer is not None:
-            self._callback = _attach_callback(trainer, self.cudagraph_config)
+            self._callback = _attach_callback(trainer, self.cudagraph_config, self.capture_backend)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -99,20 +105,13 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
     ``cudagraph_mlp``, ``cudagraph_attn_mlp``, ``cudagraph_layer`` and ``cudagraph_full`` (the whole training step).
 
     Args:
+        config: Stands for the options of :class:`~lightning_cudagraph.CUDAGraphCallback` (``impl``, ``scope``,
+            ``warmup_steps``, ``modules``, ``on_shape_change``, ``on_failure``, ``max_graphs``, ``confirm_steps``,
+            ``parity_tol``, ``max_pool_mib``): the signature lists them first, with their types and defaults.
         device: The device to train on; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
         accelerator: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         checkpoint_io: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         precision_plugin: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
-        impl: As for the callback.
-        scope: As for the callback.
-        warmup_steps: As for the callback.
-        modules: As for the callback.
-        on_shape_change: As for the callback.
-        on_failure: As for the callback.
-        max_graphs: As for the callback.
-        confirm_steps: As for the callback.
-        parity_tol: As for the callback.
-        max_pool_mib: As for the callback.
 
     Example::
 
@@ -123,18 +122,10 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
         ('attn', 'mlp')
     """
 
+    @takes_graph_options
     def __init__(
         self,
-        impl: Literal["none", "local", "transformer_engine"] = "local",
-        scope: str | Sequence[str] = AUTO,
-        warmup_steps: int = 3,
-        modules: Mapping[str, Any] | None = None,
-        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
-        on_failure: Literal["eager", "raise"] = "eager",
-        max_graphs: int = 4,
-        confirm_steps: int = 2,
-        parity_tol: float | None = None,
-        max_pool_mib: float | None = None,
+        config: CUDAGraphConfig,
         device: str | torch.device | int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
@@ -148,23 +139,12 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
         )
         # Declared so that Lightning's accelerator connector fills in the device a string strategy resolves to.
         self.parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
-        self._init_graph_options(
-            impl=impl,
-            scope=scope,
-            warmup_steps=warmup_steps,
-            modules=modules,
-            on_shape_change=on_shape_change,
-            on_failure=on_failure,
-            max_graphs=max_graphs,
-            confirm_steps=confirm_steps,
-            parity_tol=parity_tol,
-            max_pool_mib=max_pool_mib,
-        )
+        self._init_graph_options(config)
 
     @property
     @override
     def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+        return self.parallel_devices[0] if self.parallel_devices else single_device_root(self)
 
 
 class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
@@ -175,16 +155,9 @@ class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
     warmup steps are required (NCCL's requirement). Registered as ``ddp_cudagraph`` and ``ddp_cudagraph_full``.
 
     Args:
-        impl: As for the callback.
-        scope: As for the callback.
-        warmup_steps: As for the callback.
-        modules: As for the callback.
-        on_shape_change: As for the callback.
-        on_failure: As for the callback.
-        max_graphs: As for the callback.
-        confirm_steps: As for the callback.
-        parity_tol: As for the callback.
-        max_pool_mib: As for the callback.
+        config: Stands for the options of :class:`~lightning_cudagraph.CUDAGraphCallback` (``impl``, ``scope``,
+            ``warmup_steps``, ``modules``, ``on_shape_change``, ``on_failure``, ``max_graphs``, ``confirm_steps``,
+            ``parity_tol``, ``max_pool_mib``): the signature lists them first, with their types and defaults.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Example::
@@ -194,42 +167,12 @@ class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
         True
     """
 
-    def __init__(
-        self,
-        impl: Literal["none", "local", "transformer_engine"] = "local",
-        scope: str | Sequence[str] = AUTO,
-        warmup_steps: int = 3,
-        modules: Mapping[str, Any] | None = None,
-        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
-        on_failure: Literal["eager", "raise"] = "eager",
-        max_graphs: int = 4,
-        confirm_steps: int = 2,
-        parity_tol: float | None = None,
-        max_pool_mib: float | None = None,
-        **kwargs: Any,
-    ) -> None:
+    @takes_graph_options
+    def __init__(self, config: CUDAGraphConfig, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._init_graph_options(
-            impl=impl,
-            scope=scope,
-            warmup_steps=warmup_steps,
-            modules=modules,
-            on_shape_change=on_shape_change,
-            on_failure=on_failure,
-            max_graphs=max_graphs,
-            confirm_steps=confirm_steps,
-            parity_tol=parity_tol,
-            max_pool_mib=max_pool_mib,
-        )
-        if self.cudagraph_config.full_iteration and warmup_steps < DDP_FULL_ITERATION_MIN_WARMUP:
-            raise config_error(
-                type(self).__name__,
-                "warmup_steps",
-                warmup_steps,
-                f">= {DDP_FULL_ITERATION_MIN_WARMUP} when full_iteration runs under DDP",
-                f"pass warmup_steps={DDP_FULL_ITERATION_MIN_WARMUP}: NCCL needs that many eager DDP steps before its"
-                " all-reduce can be captured",
-            )
+        self._init_graph_options(config)
+        if config.full_iteration and config.warmup_steps < DDP_FULL_ITERATION_MIN_WARMUP:
+            raise ddp_warmup_error(type(self).__name__, config.warmup_steps)
 
     @override
     def teardown(self) -> None:
@@ -237,15 +180,15 @@ class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
         _warn_on_grad_stream_mismatch(True)  # torch's default (it has no getter to read the previous value)
 
     @override
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
-        if self.root_device.type != "cuda":
-            return super()._setup_model(model)
+    def configure_ddp(self) -> None:
+        backend = self.rollout.backend if self.rollout is not None else None
+        if self.root_device.type != "cuda" or backend is None or backend.stream is None:
+            super().configure_ddp()
+            return
         _warn_on_grad_stream_mismatch(False)  # DDP keeps eager steps' autograd nodes alive: expected, not a bug
         # Built on the stream training and capture run on, so DDP's retained autograd nodes never name another one.
-        with torch.cuda.stream(capture_stream(self.root_device)):
-            return torch.nn.parallel.DistributedDataParallel(
-                module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
-            )
+        with torch.cuda.stream(backend.stream):
+            super().configure_ddp()
 
 
 def _warn_on_grad_stream_mismatch(enabled: bool) -> None:
@@ -253,7 +196,9 @@ def _warn_on_grad_stream_mismatch(enabled: bool) -> None:
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
 
 
-def _attach_callback(trainer: pl.Trainer, config: CUDAGraphConfig) -> CUDAGraphCallback:
+def _attach_callback(
+    trainer: pl.Trainer, config: CUDAGraphConfig, backend: CaptureBackend | None
+) -> CUDAGraphCallback:
     """The Trainer's CUDAGraphCallback, added with the strategy's options when the user did not add one."""
     existing = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
     if existing:
@@ -262,8 +207,11 @@ def _attach_callback(trainer: pl.Trainer, config: CUDAGraphConfig) -> CUDAGraphC
                 "CUDAGraphCallback was given both as a callback and through the strategy's options; the callback's"
                 " options apply."
             )
+        if existing[0].capture_backend is None:
+            existing[0].capture_backend = backend
         return existing[0]
     callback = CUDAGraphCallback(**config.options())
+    callback.capture_backend = backend
     # Lightning keeps checkpoint callbacks last, so they save every other callback's state of the step.
     first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
     trainer.callbacks.insert(len(trainer.callbacks) if first_checkpoint is None else first_checkpoint, callback)

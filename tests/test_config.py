@@ -70,10 +70,23 @@ class Attention(nn.Module):
         pytest.param({"warmup_steps": -1}, ["warmup_steps=-1", ">= 0"], id="warmup-negative"),
         pytest.param({"warmup_steps": True}, ["warmup_steps=True"], id="warmup-bool"),
         pytest.param({"warmup_steps": 2.0}, ["warmup_steps=2.0"], id="warmup-float"),
-        pytest.param({"max_graphs": 0}, ["max_graphs=0", ">= 1"], id="max-graphs-zero"),
+        pytest.param(
+            {"max_graphs": 0, "on_shape_change": "recapture"}, ["max_graphs=0", ">= 1"], id="max-graphs-zero"
+        ),
+        pytest.param(
+            {"max_graphs": 1, "on_shape_change": "recapture"},
+            ["max_graphs=1", "at least 2", "on_shape_change='eager'"],
+            id="recapture-with-one-graph-set",
+        ),
+        pytest.param(
+            {"max_graphs": 8}, ["max_graphs=8", "only with on_shape_change='recapture'"], id="max-graphs-without-recapture"
+        ),
         pytest.param({"confirm_steps": 0}, ["confirm_steps=0", ">= 1"], id="confirm-steps-zero"),
-        pytest.param({"parity_tol": 0.0}, ["parity_tol=0.0", "positive"], id="parity-tol-zero"),
+        pytest.param({"parity_tol": 0.0}, ["parity_tol=0.0", "(0, 0.25]"], id="parity-tol-zero"),
         pytest.param({"parity_tol": -1e-3}, ["parity_tol=-0.001"], id="parity-tol-negative"),
+        pytest.param({"parity_tol": float("inf")}, ["parity_tol=inf", "(0, 0.25]"], id="parity-tol-inf"),
+        pytest.param({"parity_tol": float("nan")}, ["parity_tol=nan"], id="parity-tol-nan"),
+        pytest.param({"parity_tol": 22.0}, ["parity_tol=22.0", "wrong graph"], id="parity-tol-too-loose"),
         pytest.param({"max_pool_mib": 0}, ["max_pool_mib=0", "positive"], id="max-pool-zero"),
         pytest.param({"max_pool_mib": -512.0}, ["max_pool_mib=-512.0"], id="max-pool-negative"),
         pytest.param(
@@ -157,7 +170,7 @@ def test_expandable_segments_with_nccl_graph_register_is_refused(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
     with pytest.raises(ValueError, match="CUDAGraphCallback") as error:
-        CUDAGraphConfig.from_options("CUDAGraphCallback")
+        CUDAGraphCallback()
     assert_config_error(error, "CUDAGraphCallback", "NCCL_GRAPH_REGISTER='1'", "NCCL_GRAPH_REGISTER=0")
 
 
@@ -165,7 +178,18 @@ def test_expandable_segments_sets_nccl_graph_register_when_unset(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
     assert "NCCL_GRAPH_REGISTER" not in os.environ
     CUDAGraphConfig.from_options("CUDAGraphCallback")
+    assert "NCCL_GRAPH_REGISTER" not in os.environ, "validation alone must not write the environment"
+    CUDAGraphCallback()
     assert os.environ["NCCL_GRAPH_REGISTER"] == "0"
+
+
+def test_strategies_apply_the_allocator_rule_too(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
+    for build in (CUDAGraphStrategy, DDPCUDAGraphStrategy):
+        with pytest.raises(ValueError, match="NCCL_GRAPH_REGISTER") as error:
+            build()
+        assert_config_error(error, build.__name__, "NCCL_GRAPH_REGISTER='1'")
 
 
 @pytest.mark.parametrize(
@@ -178,13 +202,13 @@ def test_expandable_segments_sets_nccl_graph_register_when_unset(monkeypatch):
 def test_allocator_settings_that_are_safe_pass(monkeypatch, env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    CUDAGraphConfig.from_options("CUDAGraphCallback")
+    CUDAGraphCallback()
 
 
 def test_impl_none_skips_the_allocator_rule(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
-    config = CUDAGraphConfig.from_options("CUDAGraphCallback", impl="none")
+    config = CUDAGraphCallback(impl="none").config
     assert not config.enabled
 
 
@@ -231,11 +255,19 @@ def test_defaults_and_options_round_trip():
     config = CUDAGraphConfig.from_options("CUDAGraphCallback")
     assert (config.impl, config.scope, config.warmup_steps) == ("local", ("auto",), 3)
     assert config.enabled
-    assert config.capture_after == 3
-    assert CUDAGraphConfig.from_options("CUDAGraphCallback", warmup_steps=0).capture_after == 1
+    assert config.eager_steps == 3
+    assert CUDAGraphConfig.from_options("CUDAGraphCallback", warmup_steps=0).eager_steps == 1
+    assert config.graph_set_limit == 1
     custom = CUDAGraphConfig.from_options(
-        "CUDAGraphCallback", scope="attn,mlp", modules={"attn": "blocks.*.attn"}, max_graphs=2, parity_tol=1e-3
+        "CUDAGraphCallback",
+        scope="attn,mlp",
+        modules={"attn": "blocks.*.attn"},
+        on_shape_change="recapture",
+        max_graphs=2,
+        parity_tol=1e-3,
     )
+    assert custom.graph_set_limit == 2
+    assert CUDAGraphConfig.from_options("CUDAGraphCallback", on_shape_change="recapture").graph_set_limit == 4
     assert CUDAGraphConfig.from_options("CUDAGraphCallback", **custom.options()) == custom
     assert CUDAGraphConfig.from_options("CUDAGraphCallback", **config.options()) == config
 

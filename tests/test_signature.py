@@ -10,7 +10,7 @@ from lightning_cudagraph.signature import (
     describe_batch_key,
     describe_change,
     distinct_tensors,
-    fast_key,
+    positional_key,
     rebuild_call,
     signatures_equal,
 )
@@ -147,9 +147,9 @@ def test_rebuild_call_refuses_a_wrong_number_of_tensors():
 def test_fast_key_of_a_positional_tensor_call_matches_its_signature(linear):
     args = (torch.randn(2, 4), torch.randn(3, 4, requires_grad=True))
     signature = call_signature(linear, args, {})
-    assert signature.fast_key is not None
-    assert fast_key(args) == signature.fast_key
-    assert fast_key((torch.randn(5, 4), args[1])) != signature.fast_key
+    assert signature.positional_key is not None
+    assert positional_key(args) == signature.positional_key
+    assert positional_key((torch.randn(5, 4), args[1])) != signature.positional_key
 
 
 @pytest.mark.parametrize(
@@ -164,9 +164,9 @@ def test_fast_key_of_a_positional_tensor_call_matches_its_signature(linear):
 )
 def test_fast_key_is_none_for_calls_that_need_the_full_signature(linear, make_call):
     args, kwargs = make_call(torch.randn(2, 4), torch.randn(2, 4))
-    assert call_signature(linear, args, kwargs).fast_key is None
+    assert call_signature(linear, args, kwargs).positional_key is None
     if not kwargs:
-        assert fast_key(args) is None
+        assert positional_key(args) is None
 
 
 def test_batch_key_depends_on_shapes_and_dtypes_not_values():

@@ -22,18 +22,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
+from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature, distinct_tensors, rebuild_call
-
-
-@dataclass
-class RecordedCall:
-    """A target's call seen during eager warmup: how to run it, what it was called with, and its signature."""
-
-    name: str
-    module: torch.nn.Module
-    forward: Callable[..., Any]
-    signature: CallSignature
-    samples: list[Tensor]
 
 
 @dataclass(eq=False)
@@ -56,14 +46,12 @@ class GraphedRegion:
     bwd_graph: torch.cuda.CUDAGraph | None = None
     on_backward: Callable[[GraphedRegion], None] | None = None
     addresses: dict[str, int] = field(default_factory=dict)
-    fast: Any = None
-    parity_checked: bool = False
     returns_one_tensor: bool = False
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Replay the region for a call whose signature matched, rebuilding the module's output structure."""
         # Per-call host time is what a scoped graph saves, so the common ``module(x)`` -> tensor call skips pytree.
-        positional = self.fast is not None and not kwargs
+        positional = self.signature.positional_key is not None and not kwargs
         inputs = args if positional else distinct_tensors(self.signature, args, kwargs)
         outputs = _GraphedCall.apply(self, *inputs, *self.params)
         return outputs[0] if self.returns_one_tensor else self._rebuild_output(outputs)

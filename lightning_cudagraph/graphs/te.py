@@ -1,9 +1,9 @@
 """Scoped capture with Transformer Engine's ``make_graphed_callables``: FP8-aware graphs of TE modules.
 
 TE's capture handles what PyTorch's cannot for FP8 layers: the FP8 autocast around each callable, amax history and
-scaling state, and TE's graph-safe RNG tracker; it also clones parameter gradients on return. The rollout still
-decides when to capture, and the manager still routes every call through the target's guard; a region here only
-wraps the forward TE builds, and :meth:`TERegion.reset` calls TE's ``reset()``.
+scaling state, and TE's graph-safe RNG tracker; it also clones parameter gradients on return. The scoped driver still
+decides when to capture and routes every call through the target's patched forward; a region here only wraps the
+forward TE builds, and :meth:`TERegion.reset` calls TE's ``reset()``.
 
 With FP8 and gradient accumulation, :class:`FP8WeightCache` lets the graphs quantize the weights once per optimizer
 step instead of once per micro-batch (TE's ``cache_quantized_params``).
@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.graphs.local import RecordedCall, autocast_of, tensor_addresses
+from lightning_cudagraph.graphs.local import autocast_of, tensor_addresses
+from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature, rebuild_call
 
 
@@ -34,8 +35,6 @@ class TERegion:
     forward: Any
     reset_graphs: Any
     addresses: dict[str, int] = field(default_factory=dict)
-    fast: Any = None
-    parity_checked: bool = False
     on_backward: Any = None  # TE's autograd function is its own: no backward-order record
     weight_cache: FP8WeightCache | None = None
 

@@ -1,0 +1,1 @@
+"""Capture-mode drivers: scoped regions (PyTorch or Transformer Engine) and the whole training step."""

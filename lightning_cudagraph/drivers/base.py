@@ -1,0 +1,89 @@
+"""What every capture-mode driver shares: its collaborators, capture bookkeeping, the memory budget.
+
+A driver carries out stages 2-7 for one capture mode (scoped regions, or the whole step); the stage machine says
+where the fit is, and the driver asks it to move on, roll back or give up.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.stages import StageMachine
+
+
+def shape_change_error(component: str, change: str) -> RuntimeError:
+    """The error of ``on_shape_change="error"``."""
+    return RuntimeError(
+        f"{component}(on_shape_change='error'): {change}. Fix: keep batch shapes fixed (e.g."
+        " DataLoader(drop_last=True)), or pass on_shape_change='eager' or 'recapture'."
+    )
+
+
+class Driver(ABC):
+    """Base of the capture-mode drivers.
+
+    Args:
+        config: The validated options.
+        component: Named in messages.
+        backend: Does the device work.
+        machine: The stage machine of this fit.
+    """
+
+    def __init__(
+        self, config: CUDAGraphConfig, component: str, backend: CaptureBackend, machine: StageMachine
+    ) -> None:
+        self.config, self.component, self.backend, self.machine = config, component, backend, machine
+        self.report: CUDAGraphReport = machine.report
+
+    @abstractmethod
+    def start(self, trainer: pl.Trainer) -> None:
+        """Training starts: put in place what eager stabilization needs."""
+
+    @abstractmethod
+    def end_step(self, outputs: Any) -> None:
+        """A training batch ended: close it and weigh what confirmation saw in it."""
+
+    @abstractmethod
+    def finish_confirmation(self) -> None:
+        """The confirmation window is over: confirm, wait for a graphed step, or roll back."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Stage 7: free every graph and restore everything patched (idempotent)."""
+
+    def abandon_step(self) -> None:
+        """A training batch never reached its end (``on_train_batch_start`` returned -1)."""
+
+    def check_nonfinite(self, step: int) -> None:
+        """Once per log interval: read non-finite counters the graphs keep (one host sync), if any."""
+
+    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
+        """Keep the checkpoint free of the package's state."""
+
+    # ------------------------------------------------------------------ capture bookkeeping
+    def _capture_failed(self, error: Exception) -> None:
+        """Roll back loudly (or raise); the failed capture already undid its partial work."""
+        self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)
+
+    def _captured(self, started: float, graphs: int) -> bool:
+        """Count a capture and its memory; roll back if the pool is over budget. Returns whether to go on."""
+        self.report.captures += 1
+        self.report.graphs = graphs
+        self.report.capture_ms = (time.perf_counter() - started) * 1e3
+        self.report.pool_mib = self.backend.pool_mib()
+        budget = self.config.max_pool_mib
+        if budget is not None and self.report.pool_mib > budget:
+            self.machine.rollback(f"memory_budget: graphs hold {self.report.pool_mib:.1f} MiB > {budget} MiB")
+            return False
+        return True
+
+    def _note_memory_before_capture(self) -> None:
+        if self.report.memory_before_capture is None:
+            self.report.memory_before_capture = self.backend.memory_allocated()

@@ -1,0 +1,84 @@
+"""What confirmation and the steady state check: parity, parameter identity, trainability, metric updates.
+
+Each check reads host-side facts (data pointers, ``requires_grad`` flags, update counters) or builds a device
+scalar; none synchronizes with the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+def relative_error(reference: Sequence[Tensor], other: Sequence[Tensor]) -> Tensor:
+    """Largest ``max|a - b| / max|a|`` over paired tensors, as a device scalar (no host sync).
+
+    Example:
+        >>> import torch
+        >>> float(relative_error([torch.tensor([2.0, 4.0])], [torch.tensor([2.0, 5.0])]))
+        0.25
+    """
+    if len(reference) != len(other):
+        return torch.tensor(float("inf"))
+    errors = []
+    for a, b in zip(reference, other, strict=True):
+        if a.shape != b.shape:
+            return torch.tensor(float("inf"), device=a.device)
+        if a.numel() and a.is_floating_point():
+            a32, b32 = a.float(), b.float()
+            errors.append((a32 - b32).abs().max() / a32.abs().max().clamp_min(1e-6))
+    return torch.stack(errors).max() if errors else torch.zeros(())
+
+
+def state_addresses(module: torch.nn.Module) -> list[int]:
+    """Data pointers of every parameter and buffer of ``module``, in order (what a whole-step graph reads)."""
+    return [tensor.data_ptr() for tensor in (*module.parameters(), *module.buffers())]
+
+
+class TrainableWatch:
+    """Which parameters trained when the graphs were captured: graphs compute gradients for exactly these."""
+
+    def __init__(self) -> None:
+        self._watched: list[tuple[str, Tensor, bool]] = []
+
+    def watch(self, named_parameters: Iterable[tuple[str, Tensor]]) -> None:
+        """Remember ``requires_grad`` of these parameters now."""
+        self._watched = [(name, param, param.requires_grad) for name, param in named_parameters]
+
+    def problem(self) -> str | None:
+        """A rollback reason if a parameter's ``requires_grad`` changed since :meth:`watch`, else ``None``."""
+        for name, param, trainable in self._watched:
+            if param.requires_grad is not trainable:
+                return (
+                    f"trainable_changed: {name}.requires_grad {trainable} -> {param.requires_grad}; the graphs"
+                    " compute gradients for the parameters that were trainable at capture"
+                )
+        return None
+
+
+class MetricUpdates:
+    """Update counts of the torchmetrics ``Metric`` s inside some modules, to find one updated inside a capture.
+
+    A metric's ``update`` runs Python (counters, list states, new state tensors) that a graph does not replay, so a
+    metric updated inside a captured region or step would silently stop counting.
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
+        self._metrics = {
+            f"{type(root).__name__}.{name}" if name else type(root).__name__: metric
+            for root in modules
+            for name, metric in root.named_modules()
+            if isinstance(metric, Metric)
+        }
+        self._counts = self._read()
+
+    def changed(self) -> list[str]:
+        """Names of the metrics updated since this object was made."""
+        now = self._read()
+        return [name for name, count in now.items() if count != self._counts[name]]
+
+    def _read(self) -> dict[str, int]:
+        return {name: metric.update_count for name, metric in self._metrics.items()}

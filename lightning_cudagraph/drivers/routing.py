@@ -1,0 +1,230 @@
+"""Patched forwards and the per-call policy of scoped graphs.
+
+Each target module's ``forward`` is replaced by a :class:`TargetForward` while graphs are in use. Called in a
+training step, it records the call (eager warmup), replays the region's graph (signature matched), or runs the
+original forward and counts a fallback with its reason. Outside training steps (validation, test, predict) it is a
+plain call of the original forward. :meth:`PatchedForwards.restore` gives every module its forward back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from lightning_cudagraph.drivers.evidence import relative_error
+from lightning_cudagraph.graphs.backend import Region
+from lightning_cudagraph.graphs.local import tensor_addresses
+from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.recording import WarmupRecorder
+from lightning_cudagraph.scopes import Target
+from lightning_cudagraph.signature import call_signature, describe_change, grad_and_autocast_state, signatures_equal
+from lightning_cudagraph.signature import positional_key as positional_key_of
+
+
+class TargetForward:
+    """Installed as a target module's ``forward``; hands every call to the router."""
+
+    def __init__(self, index: int, module: torch.nn.Module, route: Callable[..., Any]) -> None:
+        self.index, self.module, self._route = index, module, route
+        self.original = module.forward
+        self._previous = module.__dict__.get("forward")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the call through the router (record, replay or fall back)."""
+        return self._route(self, args, kwargs)
+
+    def restore(self) -> None:
+        """Give the module back the forward it had before."""
+        if self._previous is not None:
+            self.module.forward = self._previous
+        else:
+            self.module.__dict__.pop("forward", None)
+
+
+class PatchedForwards:
+    """The targets' forwards, patched for one fit."""
+
+    def __init__(self, targets: Sequence[Target], route: Callable[..., Any]) -> None:
+        self._targets, self._route = list(targets), route
+        self._patched: list[TargetForward] = []
+
+    def install(self) -> None:
+        """Put a :class:`TargetForward` on every target (idempotent)."""
+        if not self._patched:
+            self._patched = [TargetForward(i, t.module, self._route) for i, t in enumerate(self._targets)]
+            for forward in self._patched:
+                forward.module.forward = forward
+
+    def restore(self) -> None:
+        """Give every target its forward back (idempotent)."""
+        patched, self._patched = self._patched, []
+        for forward in patched:
+            forward.restore()
+
+
+@dataclass
+class ReplayEntry:
+    """A captured region and what the router keeps about it."""
+
+    region: Region
+    parity_checked: bool = False
+
+
+@dataclass(eq=False)
+class GraphSet:
+    """The regions captured for one batch signature, by target index."""
+
+    batch: tuple[Any, ...]
+    entries: dict[int, ReplayEntry]
+
+    def reset(self) -> None:
+        """Free every region's graphs."""
+        for entry in self.entries.values():
+            entry.region.reset()
+
+
+@dataclass
+class StepRoute:
+    """What the current training step does with target calls, and what was seen on the way."""
+
+    graph_set: GraphSet | None = None
+    recorder: WarmupRecorder | None = None
+    fallback_reason: str | None = None
+    confirming: bool = False
+    accumulating: bool = False
+    trainable_checked: bool = False
+    problem: str | None = None
+    forward_order: list[str] = field(default_factory=list)
+    backward_order: list[str] = field(default_factory=list)
+    parity: list[Tensor] = field(default_factory=list)
+    replays: int = 0
+    fallbacks: int = 0
+
+
+class CallRouter:
+    """Routes each target call of a training step by its :class:`StepRoute` (stage 6, and confirmation's checks).
+
+    Args:
+        report: Replays and fallbacks are counted here (written, never read back).
+        component: Named in errors.
+        strict_shapes: Raise on a call whose signature is not the captured one (``on_shape_change="error"``).
+        trainable_problem: Says why the trainable parameters no longer match the graphs, or ``None``.
+        preserved: Restores random-number and buffer state around a confirmation's graphed forward.
+    """
+
+    def __init__(
+        self,
+        report: CUDAGraphReport,
+        component: str,
+        strict_shapes: bool,
+        trainable_problem: Callable[[], str | None],
+        preserved: Callable[[list[torch.nn.Module]], contextlib.AbstractContextManager[None]],
+    ) -> None:
+        self.report, self.component, self.strict_shapes = report, component, strict_shapes
+        self._trainable_problem, self._preserved = trainable_problem, preserved
+        self._route: StepRoute | None = None
+
+    def begin(self, route: StepRoute) -> None:
+        """Route target calls of this training step according to ``route``."""
+        self._route = route
+
+    def end(self) -> StepRoute | None:
+        """Stop routing; return what the step saw."""
+        route, self._route = self._route, None
+        return route
+
+    def __call__(self, forward: TargetForward, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one call of a target: record, replay, or fall back (counted, with its reason)."""
+        route = self._route
+        if route is None:
+            return forward.original(*args, **kwargs)
+        if route.recorder is not None:
+            route.recorder.record(forward.index, args, kwargs)
+        entry = route.graph_set.entries.get(forward.index) if route.graph_set is not None else None
+        if route.fallback_reason is not None or entry is None:
+            if route.fallback_reason is not None:
+                self._count_fallback(route, route.fallback_reason)
+            return forward.original(*args, **kwargs)
+        if not route.trainable_checked:  # here, not at batch start: hooks before the forward may (un)freeze
+            route.trainable_checked = True
+            route.problem = self._trainable_problem()
+            if route.problem is not None:
+                route.fallback_reason = "trainable parameters changed since capture"
+                self._count_fallback(route, route.fallback_reason)
+                return forward.original(*args, **kwargs)
+        mismatch = _mismatch(entry.region, forward.module, args, kwargs)
+        if mismatch is not None:
+            if self.strict_shapes:
+                raise RuntimeError(
+                    f"{self.component}(on_shape_change='error'): {entry.region.name} was captured for another"
+                    f" input: {mismatch}. Fix: keep shapes fixed (e.g. drop_last=True), or pass"
+                    " on_shape_change='eager' or 'recapture'."
+                )
+            self._count_fallback(route, f"{entry.region.name}: {mismatch}")
+            return forward.original(*args, **kwargs)
+        if route.confirming:
+            return self._confirming_call(route, entry, forward, args, kwargs)
+        return self._replay(route, entry, args, kwargs)
+
+    def on_backward(self, region: Region) -> None:
+        """A region's backward graph is about to replay (confirmation checks the order)."""
+        if self._route is not None and self._route.confirming:
+            self._route.backward_order.append(region.name)
+
+    def _replay(self, route: StepRoute, entry: ReplayEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if route.accumulating:
+            entry.region.detach_accumulated_grads()
+        route.replays += 1
+        self.report.replays += 1
+        return entry.region(args, kwargs)
+
+    def _count_fallback(self, route: StepRoute, reason: str) -> None:
+        route.fallbacks += 1
+        self.report.count_fallback(reason)
+
+    def _confirming_call(
+        self, route: StepRoute, entry: ReplayEntry, forward: TargetForward, args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        region = entry.region
+        moved = [name for name, ptr in tensor_addresses(forward.module).items() if region.addresses.get(name) != ptr]
+        if moved:
+            route.problem = f"address_changed: {region.name}.{moved[0]} is not the tensor the graph was captured with"
+            route.fallback_reason = "confirmation failed"
+            self._count_fallback(route, route.fallback_reason)
+            return forward.original(*args, **kwargs)
+        route.forward_order.append(region.name)
+        if entry.parity_checked:
+            return self._replay(route, entry, args, kwargs)
+        # Parity: replay the forward graph and run the eager forward on the same inputs; train on the eager result.
+        with self._preserved([forward.module]):
+            graphed = region.replay_forward_detached(args, kwargs)
+        route.replays += 1
+        self.report.replays += 1
+        output = forward.original(*args, **kwargs)
+        eager = [leaf.detach() for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+        route.parity.append(relative_error(eager, graphed))
+        entry.parity_checked = True
+        return output
+
+
+def _mismatch(region: Region, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why this call cannot replay the region's graph, or ``None`` (a cheap check for plain positional calls)."""
+    signature = region.signature
+    grad, autocast = grad_and_autocast_state()
+    if (
+        not kwargs
+        and signature.positional_key is not None
+        and module.training == signature.training
+        and grad == signature.grad_enabled
+        and autocast == signature.autocast
+        and positional_key_of(args) == signature.positional_key
+    ):
+        return None
+    live = call_signature(module, args, kwargs)
+    return None if signatures_equal(signature, live) else describe_change(signature, live)

@@ -1,0 +1,40 @@
+"""The process environment graphs need: the allocator and NCCL settings that must agree before NCCL starts.
+
+Validation (:mod:`lightning_cudagraph.config`) never writes the environment; the callback and the strategies apply
+this rule when they are built, which is before Lightning starts a process group.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_cudagraph.config import config_error
+
+
+def ensure_graph_safe_allocator(component: str) -> None:
+    """Set ``NCCL_GRAPH_REGISTER=0`` where expandable segments need it, or refuse a setting that conflicts.
+
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` with NCCL buffer registration in graphs causes illegal
+    memory accesses; ``NCCL_GRAPH_REGISTER=0`` avoids them. Unset, it is set here (and said once); explicitly set
+    to anything else, it is an error.
+    """
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    if "expandable_segments:true" not in alloc_conf:
+        return
+    register = os.environ.get("NCCL_GRAPH_REGISTER")
+    if register is None:
+        os.environ["NCCL_GRAPH_REGISTER"] = "0"
+        rank_zero_info(
+            f"{component}: set NCCL_GRAPH_REGISTER=0 because PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True"
+            " (NCCL's graph buffer registration faults on expandable segments)."
+        )
+    elif register != "0":
+        raise config_error(
+            component,
+            "NCCL_GRAPH_REGISTER",
+            register,
+            "'0' while PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True",
+            "export NCCL_GRAPH_REGISTER=0, or drop expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF",
+        )

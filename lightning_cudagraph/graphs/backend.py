@@ -1,0 +1,134 @@
+"""The capture backend: the one seam between the drivers and the device.
+
+The drivers decide what to capture and when; a backend does the device work: the stream training runs on, the
+shared memory pool, capturing scoped regions and whole steps, making optimizers capturable, the random-number
+state around a capture, memory figures and step timing. :class:`~lightning_cudagraph.graphs.cuda.CUDABackend` is
+the real one. Another backend (a test double that runs the original forward, another accelerator) implements the
+same methods and is handed to the callback or strategy as ``capture_backend``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_cudagraph.graphs.state import module_state_preserved
+from lightning_cudagraph.health import StepTimer
+from lightning_cudagraph.recording import RecordedCall
+from lightning_cudagraph.signature import CallSignature
+
+
+class Region(Protocol):
+    """A captured target: replays its graphs in place of the module's forward (and backward)."""
+
+    name: str
+    module: torch.nn.Module
+    signature: CallSignature
+    addresses: dict[str, int]
+    on_backward: Callable[[Any], None] | None
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Replay for a call whose signature matched; gradients flow through autograd."""
+
+    def replay_forward_detached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """Replay only the forward, outside autograd, and return copies of its tensor outputs."""
+
+    def detach_accumulated_grads(self) -> None:
+        """With gradient accumulation: move adopted gradient buffers out before the next backward replay."""
+
+    def reset(self) -> None:
+        """Free the region's graphs and buffers."""
+
+
+class StepGraph(Protocol):
+    """A captured whole training step."""
+
+    def replay(self) -> None:
+        """Run the step again on the current contents of its static buffers."""
+
+    def reset(self) -> None:
+        """Free the graph."""
+
+
+class PreparedOptimizer(Protocol):
+    """An optimizer switched to the form its step can be captured in, for the fit."""
+
+    def refresh(self) -> None:
+        """Take user-assigned hyperparameters into the captured state (no host sync)."""
+
+    def plain_state_dict(self, state: dict[str, Any]) -> None:
+        """Rewrite a saved ``state_dict`` into the form the user built the optimizer in."""
+
+    def restore(self) -> None:
+        """Give the optimizer back as it was built."""
+
+
+#: How regions are captured: ``capture(calls, *, pool, stream, warmup_iters) -> regions`` (PyTorch's or TE's).
+RegionCapture = Callable[..., list[Region]]
+
+
+class CaptureBackend(ABC):
+    """Device work for the drivers. One per fit; :meth:`release` frees what it holds and it can serve another fit.
+
+    Args:
+        device: The device training runs on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    @abstractmethod
+    def stream(self) -> Any:
+        """The stream eager steps, warmups and captures run on (``None`` where the device has none)."""
+
+    @abstractmethod
+    def enter(self) -> None:
+        """Make :attr:`stream` current for training (idempotent)."""
+
+    @abstractmethod
+    def leave(self) -> None:
+        """Return to the stream that was current before :meth:`enter` (idempotent)."""
+
+    @abstractmethod
+    def capture_regions(
+        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
+    ) -> list[Region]:
+        """Capture the recorded calls in execution order into the shared pool; ``capture`` overrides how."""
+
+    @abstractmethod
+    def capture_step(self, body: Callable[[], None]) -> StepGraph:
+        """Capture ``body`` (one whole training step) into the shared pool."""
+
+    @abstractmethod
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        """Switch ``optimizer`` to a form whose step can be captured (done once, for the whole fit)."""
+
+    @abstractmethod
+    def pool_mib(self) -> float:
+        """Memory the shared pool holds, in MiB."""
+
+    @abstractmethod
+    def memory_allocated(self) -> int:
+        """Bytes allocated on the device now."""
+
+    @abstractmethod
+    def timer(self) -> StepTimer:
+        """A step timer for this device (no host sync per step)."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Wait for queued work, free the pool, give cached memory back (idempotent)."""
+
+    def preserved(self, modules: Iterable[torch.nn.Module]) -> contextlib.AbstractContextManager[None]:
+        """Random-number state and the modules' buffers, restored on exit (a capture leaves no trace)."""
+        return module_state_preserved(modules)
+
+    def failure_guard(self) -> contextlib.AbstractContextManager[None]:
+        """Undo what a failed capture leaves behind in the device's random-number state."""
+        return contextlib.nullcontext()

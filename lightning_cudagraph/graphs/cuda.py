@@ -1,0 +1,165 @@
+"""The CUDA capture backend: side stream, shared memory pool, ``torch.cuda`` graphs, CUDA random-number state.
+
+Eager training steps, warmups and captures all run on one side stream per device: capturing on the stream the
+eager steps ran on means autograd never has to synchronize with a stream that is not capturing (on torch 2.11 an
+eager warmup on the legacy default stream breaks a later capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from lightning_cudagraph.graphs.backend import CaptureBackend, PreparedOptimizer, Region, RegionCapture, StepGraph
+from lightning_cudagraph.graphs.local import capture_regions
+from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
+from lightning_cudagraph.graphs.state import (
+    cuda_generator_guard,
+    cuda_rng_preserved,
+    device_index,
+    module_state_preserved,
+)
+from lightning_cudagraph.health import StepTimer
+from lightning_cudagraph.recording import RecordedCall
+
+
+@functools.cache
+def side_stream(index: int) -> torch.cuda.Stream:
+    """The package's side stream on CUDA device ``index`` (one per process, shared by every fit)."""
+    return torch.cuda.Stream(device=index)
+
+
+class CUDAStepGraph:
+    """A whole step captured with ``torch.cuda.graph``."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self._graph: torch.cuda.CUDAGraph | None = graph
+
+    def replay(self) -> None:
+        """Replay the step's kernels."""
+        self._graph.replay()
+
+    def reset(self) -> None:
+        """Free the graph."""
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = None
+
+
+class CUDABackend(CaptureBackend):
+    """Captures with PyTorch's CUDA graphs on a side stream, into one memory pool per fit.
+
+    Example:
+        >>> import torch
+        >>> from lightning_cudagraph.graphs.cuda import CUDABackend
+        >>> if torch.cuda.is_available():
+        ...     backend = CUDABackend(torch.device("cuda"))
+        ...     backend.release()
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._pool: Any = None
+        self._previous_stream: torch.cuda.Stream | None = None
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The side stream training runs on."""
+        return side_stream(device_index(self.device))
+
+    @property
+    def pool(self) -> Any:
+        """The memory pool every graph of this fit is captured into (created on first use)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def enter(self) -> None:
+        """Make the side stream current (it first waits for work queued on the current stream)."""
+        if self._previous_stream is None:
+            self._previous_stream = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(self._previous_stream)
+            torch.cuda.set_stream(self.stream)
+
+    def leave(self) -> None:
+        """Return to the stream that was current before :meth:`enter`, after the side stream's work."""
+        if self._previous_stream is not None:
+            previous, self._previous_stream = self._previous_stream, None
+            with contextlib.suppress(RuntimeError):  # a sticky CUDA error must not keep training on the side stream
+                previous.wait_stream(self.stream)
+            torch.cuda.set_stream(previous)
+
+    def capture_regions(
+        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
+    ) -> list[Region]:
+        """Capture with ``capture`` (PyTorch's forward/backward pairs by default) on the side stream."""
+        capture = capture or capture_regions
+        return capture(calls, pool=self.pool, stream=self.stream, warmup_iters=warmup_iters)
+
+    def capture_step(self, body: Callable[[], None]) -> StepGraph:
+        """Capture ``body`` as one graph; on failure the graph is reset before the error propagates."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                body()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):
+                graph.reset()
+            raise
+        return CUDAStepGraph(graph)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        """Capturable Adam/AdamW, fused SGD, learning rates as device tensors."""
+        return CapturableOptimizer(optimizer, self.device)
+
+    def pool_mib(self) -> float:
+        """MiB in the allocator segments that belong to the pool (one allocator snapshot)."""
+        if self._pool is None:
+            return 0.0
+        index, pool = device_index(self.device), tuple(self._pool)
+        total = sum(
+            segment["total_size"]
+            for segment in torch.cuda.memory_snapshot()
+            if segment.get("device") == index and tuple(segment.get("segment_pool_id", ())) == pool
+        )
+        return total / 2**20
+
+    def memory_allocated(self) -> int:
+        """``torch.cuda.memory_allocated`` of the device."""
+        return torch.cuda.memory_allocated(self.device)
+
+    def timer(self) -> StepTimer:
+        """CUDA events on the current stream, read once per log interval."""
+        return StepTimer(use_cuda=True)
+
+    @contextlib.contextmanager
+    def preserved(self, modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+        """CUDA and CPU generators and the modules' buffers, restored on exit."""
+        with cuda_rng_preserved(self.device), module_state_preserved(modules):
+            yield
+
+    def failure_guard(self) -> contextlib.AbstractContextManager[None]:
+        """The CUDA generator back to its pre-capture state after a failed capture."""
+        return cuda_generator_guard(self.device)
+
+    def release(self) -> None:
+        """Wait for the side stream, drop the pool, leave the side stream, give cached memory back."""
+        with contextlib.suppress(RuntimeError):  # a sticky CUDA error must not stop the Python-side cleanup
+            self.stream.synchronize()
+        self._pool = None
+        self.leave()
+        gc.collect()
+        with contextlib.suppress(RuntimeError):
+            torch.cuda.empty_cache()
+
+
+def default_backend(device: torch.device) -> CaptureBackend | None:
+    """The CUDA backend for a CUDA device when CUDA is available, else ``None`` (graphs off: ``no_cuda``)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return CUDABackend(device)

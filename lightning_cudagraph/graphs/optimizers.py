@@ -1,0 +1,89 @@
+"""Optimizers in the form a captured step can run them in, and back.
+
+A whole-step graph replays the optimizer's kernels with the values they read at capture, so everything that
+changes from step to step must live in device memory the graph reads: step counts, and learning rates (which
+schedulers then update in place). Checkpoints still hold the optimizer as the user built it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Optimizer classes whose capturable (or fused) step reads a tensor learning rate.
+CAPTURABLE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class CapturableOptimizer:
+    """An optimizer switched to its capturable form for the duration of the graphs.
+
+    Learning rates become one-element device tensors, which every PyTorch LR scheduler updates in place
+    (``fill_``), so schedules keep acting on the captured step. Adam and AdamW get ``capturable=True`` (their step
+    counts move to the device), SGD gets ``fused=True``; an optimizer built with ``fused=True`` is left as it is.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self._saved = [
+            {key: group.get(key) for key in ("lr", "capturable", "fused", "foreach")} for group in self.groups
+        ]
+        self._steps_on_cpu = False
+        for group in self.groups:
+            if "capturable" in group:
+                group["capturable"] = True  # fused Adam checks the flag under capture as well
+            elif not group.get("fused"):
+                group["fused"], group["foreach"] = True, False
+            if not isinstance(group["lr"], Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, Tensor) and step.device != device:
+                self._steps_on_cpu = True
+                state["step"] = step.to(device)
+        self.lrs = [group["lr"] for group in self.groups]
+
+    @property
+    def groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    def refresh(self) -> None:
+        """Take a learning rate that user code assigned as a number into the captured tensor (no host sync)."""
+        for group, lr in zip(self.groups, self.lrs, strict=True):
+            if group["lr"] is not lr:
+                lr.fill_(group["lr"])
+                group["lr"] = lr
+
+    def plain_state_dict(self, state: dict[str, Any]) -> None:
+        """Rewrite a saved ``optimizer.state_dict()`` into the form the user built, so checkpoints load anywhere."""
+        for group, saved in zip(state["param_groups"], self._saved, strict=True):
+            if isinstance(group.get("lr"), Tensor) and not isinstance(saved["lr"], Tensor):
+                group["lr"] = group["lr"].item()
+            for key in ("capturable", "fused", "foreach"):
+                if key in group:
+                    group[key] = saved[key]
+        if self._user_keeps_steps_on_cpu:
+            for index, entry in list(state["state"].items()):
+                if isinstance(entry.get("step"), Tensor):
+                    state["state"][index] = {**entry, "step": entry["step"].cpu()}  # a copy: the live state stays
+
+    def restore(self) -> None:
+        """Put learning rates back as numbers and the optimizer flags as they were."""
+        for group, saved in zip(self.groups, self._saved, strict=True):
+            if isinstance(group["lr"], Tensor) and not isinstance(saved["lr"], Tensor):
+                group["lr"] = group["lr"].item()
+            for key in ("capturable", "fused", "foreach"):
+                if key in group:
+                    group[key] = saved[key]
+        if self._user_keeps_steps_on_cpu:  # else eager Adam would read a device step count on every step
+            for state in self.optimizer.state.values():
+                step = state.get("step")
+                if isinstance(step, Tensor):
+                    state["step"] = step.cpu()
+
+    @property
+    def _user_keeps_steps_on_cpu(self) -> bool:
+        """Whether the optimizer as built keeps its step counts on the CPU (neither capturable nor fused)."""
+        return self._steps_on_cpu or not any(saved["capturable"] or saved["fused"] for saved in self._saved)

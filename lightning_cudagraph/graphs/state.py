@@ -1,0 +1,68 @@
+"""Random-number and buffer state around a capture.
+
+Warmup iterations before a scoped capture run the modules for real: they draw from the random generators
+(dropout) and update buffers (BatchNorm statistics). Both are put back so that capture leaves no trace on
+training. A CUDA capture that fails midway leaves the CUDA generator in capture mode (its next eager draw raises
+"Offset increment outside graph capture encountered unexpectedly"); the generator then gets back the state it had
+before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@contextlib.contextmanager
+def module_state_preserved(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Restore the CPU generator and the modules' buffers on exit, whether the body succeeded or not.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> norm = nn.BatchNorm1d(2)
+        >>> with module_state_preserved([norm]):
+        ...     _ = norm(torch.randn(4, 2))
+        >>> norm.running_mean.tolist()
+        [0.0, 0.0]
+    """
+    cpu_state = torch.get_rng_state()
+    with torch.no_grad():
+        buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+@contextlib.contextmanager
+def cuda_rng_preserved(device: torch.device) -> Iterator[None]:
+    """Restore the device's CUDA generator state on exit."""
+    index = device_index(device)
+    state = torch.cuda.get_rng_state(index)
+    try:
+        yield
+    finally:
+        torch.cuda.set_rng_state(state, index)
+
+
+@contextlib.contextmanager
+def cuda_generator_guard(device: torch.device) -> Iterator[None]:
+    """On an exception, give the device's default CUDA generator back its pre-capture state, then re-raise."""
+    generator = torch.cuda.default_generators[device_index(device)]
+    snapshot = generator.clone_state() if hasattr(generator, "clone_state") else None
+    try:
+        yield
+    except BaseException:
+        if snapshot is not None:
+            generator.graphsafe_set_state(snapshot)
+        raise

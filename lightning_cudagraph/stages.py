@@ -1,0 +1,165 @@
+"""The stage machine of the staged rollout: where a fit is, the transitions, and how graphs are given up.
+
+It owns the stage and the reasons behind it; the report is written from it, never read back. A decision that
+needs a device value (were the warmup losses finite? the confirmation losses?) takes exactly one host sync, when
+the decision is due: the losses of the steps before are folded into one device flag by :class:`LossWatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_cudagraph._lightning import step_loss
+from lightning_cudagraph.health import CUDAGraphReport, Stage
+
+
+class LossWatch:
+    """Folds ``~isfinite(loss)`` of every step into one device flag; :meth:`any_nonfinite` is the one host sync.
+
+    Example:
+        >>> import torch
+        >>> watch = LossWatch()
+        >>> watch.observe(torch.tensor(1.0)); watch.observe({"loss": torch.tensor(float("nan"))})
+        >>> watch.any_nonfinite()
+        True
+    """
+
+    def __init__(self) -> None:
+        self._flag: torch.Tensor | None = None
+
+    def observe(self, output: Any) -> None:
+        """Add a ``training_step`` output (no host sync); outputs without a loss tensor are ignored."""
+        loss = step_loss(output)
+        if loss is not None:
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._flag = bad if self._flag is None else self._flag | bad
+
+    def any_nonfinite(self) -> bool:
+        """Whether any observed loss was not finite; clears the watch."""
+        flag, self._flag = self._flag, None
+        return flag is not None and bool(flag)
+
+
+class StageMachine:
+    """Stages of one fit and their transitions (see :class:`~lightning_cudagraph.Stage`).
+
+    ``WARMUP`` (preflight, then eager stabilization) -> ``CONFIRMING`` (first replays, checked) -> ``REPLAYING``;
+    from any of them to ``DISABLED``, by :meth:`disable` (graphs were never right for this fit) or :meth:`rollback`
+    (a check failed: counted, and raised instead under ``on_failure="raise"``). Both release everything through the
+    ``release`` callable first.
+
+    Args:
+        report: Written on every transition (stage, reason, rollbacks).
+        component: Named in messages.
+        on_failure: ``"eager"`` (roll back and go on) or ``"raise"``.
+        release: Frees every graph and restores everything patched; called when graphs are given up.
+
+    Example:
+        >>> from lightning_cudagraph.health import CUDAGraphReport
+        >>> machine = StageMachine(CUDAGraphReport(), "CUDAGraphCallback", "eager", release=lambda: None)
+        >>> machine.begin_warmup(step=0, eager_steps=3)
+        >>> machine.capture_due(step=2), machine.capture_due(step=3)
+        (False, True)
+    """
+
+    def __init__(self, report: CUDAGraphReport, component: str, on_failure: str, release: Callable[[], None]) -> None:
+        self.report = report
+        self.component = component
+        self.on_failure = on_failure
+        self._release = release
+        self._capture_step = 0
+        self._confirm_until = 0
+        self.warmup_losses = LossWatch()
+        self.confirm_losses = LossWatch()
+        self._write(Stage.WARMUP)
+
+    @property
+    def stage(self) -> Stage:
+        """The current stage."""
+        return self._stage
+
+    @property
+    def graphs_allowed(self) -> bool:
+        """Whether graphs may still be captured or replayed in this fit."""
+        return self._stage != Stage.DISABLED
+
+    # ------------------------------------------------------------------ stage 2: eager stabilization
+    def begin_warmup(self, step: int, eager_steps: int) -> None:
+        """Start eager stabilization: capture becomes due ``eager_steps`` optimizer steps after ``step``."""
+        self._capture_step = step + eager_steps
+        self._write(Stage.WARMUP)
+
+    def recording_due(self, step: int) -> bool:
+        """Whether this step runs eagerly to record input signatures."""
+        return self._stage == Stage.WARMUP and step < self._capture_step
+
+    def keep_samples_due(self, step: int) -> bool:
+        """Whether this warmup step keeps its inputs (the last one before capture: real data for the capture)."""
+        return step >= self._capture_step - 1
+
+    def capture_due(self, step: int) -> bool:
+        """Whether warmup is over and the first capture should happen at this step."""
+        return self._stage == Stage.WARMUP and step >= self._capture_step
+
+    def warmup_was_finite(self) -> bool:
+        """The decision that ends warmup (one host sync): were the eager losses finite? If not, stay eager."""
+        if not self.warmup_losses.any_nonfinite():
+            return True
+        self.disable(
+            "nonfinite_warmup",
+            detail="a loss was not finite during the eager warmup steps; graphs are not captured over an unstable"
+            " start (raise warmup_steps, or fix the divergence first)",
+        )
+        return False
+
+    # ------------------------------------------------------------------ stage 5: replay confirmation
+    def begin_confirmation(self, step: int, confirm_steps: int) -> None:
+        """Graphs were captured at ``step``: check the next ``confirm_steps`` steps before trusting them."""
+        self._confirm_until = step + confirm_steps
+        self.confirm_losses = LossWatch()
+        self._write(Stage.CONFIRMING)
+
+    def confirmation_due(self, step: int) -> bool:
+        """Whether the confirmation window is over at ``step``."""
+        return self._stage == Stage.CONFIRMING and step >= self._confirm_until
+
+    def confirm(self, graphs: int, nonfinite_first_step: int | None = None) -> None:
+        """End confirmation (one host sync for the losses): replay from now on, or roll back."""
+        if nonfinite_first_step is not None or self.confirm_losses.any_nonfinite():
+            where = f" (first at step {nonfinite_first_step})" if nonfinite_first_step is not None else ""
+            self.rollback(f"nonfinite_loss: a loss was not finite during confirmation{where}")
+            return
+        self._write(Stage.REPLAYING)
+        rank_zero_info(f"{self.component}: replays confirmed; {graphs} graph(s) in steady state")
+
+    # ------------------------------------------------------------------ giving graphs up
+    def rollback(self, reason: str, error: BaseException | None = None) -> None:
+        """A check failed: release, count it, then warn and go on eagerly, or raise (``on_failure="raise"``)."""
+        self.report.rollbacks += 1
+        self.report.rollback_reasons.append(reason)
+        self._give_up(f"rollback: {reason}")
+        if self.on_failure == "raise":
+            raise RuntimeError(f"{self.component}(on_failure='raise'): CUDA graphs failed: {reason}") from error
+        rank_zero_warn(
+            f"{self.component}: rolled back to eager training: {reason}. Graphs, pool and patched forwards are"
+            " released; training continues eagerly (cudagraph/stage=-1). Pass on_failure='raise' to stop instead."
+        )
+
+    def disable(self, reason: str, detail: str | None = None, warn: bool = True) -> None:
+        """Graphs are not for this fit (no CUDA, no targets, shapes that move, ...): release and say why."""
+        self._give_up(reason)
+        if warn:
+            rank_zero_warn(f"{self.component}: CUDA graphs off ({reason}): {detail or reason}.")
+
+    def _give_up(self, reason: str) -> None:
+        self._stage = Stage.DISABLED
+        self.report.stage, self.report.reason = Stage.DISABLED, reason
+        self._release()
+
+    def _write(self, stage: Stage) -> None:
+        self._stage = stage
+        self.report.stage = stage
