@@ -86,4 +86,3 @@ def single_device_root(strategy: SingleDeviceStrategy) -> torch.device:
 def anomaly_detection_on(trainer: pl.Trainer) -> bool:
     """Whether ``Trainer(detect_anomaly=True)`` was passed."""
     return bool(getattr(trainer, "_detect_anomaly", False))
-

@@ -80,9 +80,11 @@ class CUDAGraphCallback(Callback):
     @takes_graph_options
     def __init__(self, config: CUDAGraphConfig) -> None:
         self.config = config
+        #: Named in messages and errors: this class, or the strategy that added the callback.
+        self.component = type(self).__name__
         if config.enabled:
-            ensure_graph_safe_allocator(type(self).__name__)
-        self.rollout = Rollout(config, type(self).__name__)
+            ensure_graph_safe_allocator(self.component)
+        self.rollout = Rollout(config, self.component)
 
     @property
     def report(self) -> CUDAGraphReport:
@@ -98,7 +100,7 @@ class CUDAGraphCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             # Each fit starts fresh (resume restores the counters).
-            self.rollout = Rollout(self.config, type(self).__name__, self.capture_backend)
+            self.rollout = Rollout(self.config, self.component, self.capture_backend)
             _refuse_a_second_callback(trainer, self)
             self.rollout.setup(trainer, pl_module)
 

@@ -75,13 +75,31 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
             original.update(registered_meanwhile)  # hooks added during the capture are kept, after the old ones
 
 
+#: The dicts whose hooks fire; the *_with_kwargs and *_always_called dicts only flag hooks that also sit in these.
+_FIRING = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 def inner_hook_count(region: nn.Module) -> int:
     """Hooks on modules strictly inside ``region``: they do not fire while the region replays as a graph."""
-    # The *_with_kwargs and *_always_called dicts only flag hooks that also sit in the main dicts.
-    main_dicts = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-    return sum(
-        len(getattr(module, name, ())) for module in region.modules() if module is not region for name in main_dicts
-    )
+    return sum(len(getattr(module, name, ())) for module in region.modules() if module is not region for name in _FIRING)
+
+
+def hooked_modules(root: nn.Module) -> list[str]:
+    """Qualified names of the modules under ``root`` (itself included) that carry forward or backward hooks.
+
+    ``"<global module hooks>"`` is added when hooks are registered for every module.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> _ = net[1].register_forward_hook(lambda module, args, output: None)
+        >>> hooked_modules(net)
+        ['1']
+    """
+    names = [name or "<root>" for name, module in root.named_modules() if any(getattr(module, n) for n in _FIRING)]
+    if any(getattr(module_globals, "_global" + name) for name in _FIRING):
+        names.append("<global module hooks>")
+    return names
 
 
 def _swap_out(owner: object, name: str) -> tuple[object, str, OrderedDict]:

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from lightning_cudagraph._lightning import anomaly_detection_on
 from lightning_cudagraph.config import SCOPES, CUDAGraphConfig, config_error
 from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
-from lightning_cudagraph.hooks import GLOBAL_HOOK_DICTS, MODULE_HOOK_DICTS
+from lightning_cudagraph.hooks import hooked_modules
 from lightning_cudagraph.scopes import ScopeResolution, Target, resolve_scopes
 
 #: Eager DDP steps NCCL needs before the all-reduce can be captured (PyTorch's CUDA-graph notes).
@@ -89,15 +89,7 @@ def check_full_iteration_hooks(config: CUDAGraphConfig, module: pl.LightningModu
     """Refuse module hooks under full_iteration: they would run once, at capture, and be replayed as captured."""
     if not config.full_iteration:
         return
-    from torch.nn.modules import module as module_globals
-
-    hooked = [
-        name or type(module).__name__
-        for name, child in module.named_modules()
-        if any(getattr(child, attribute, None) for attribute in MODULE_HOOK_DICTS)
-    ]
-    if any(getattr(module_globals, attribute) for attribute in GLOBAL_HOOK_DICTS):
-        hooked.append("<global module hooks>")
+    hooked = hooked_modules(module)
     if hooked:
         raise config_error(
             component,

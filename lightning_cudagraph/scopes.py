@@ -1,4 +1,18 @@
-"""Scope names to the modules they capture: built-in name and class patterns, overridable per scope.
+"""Scope names to the modules they capture: built-in rules per scope, overridable per scope.
+
+The built-in rules read attribute names, class names (by suffix, so model-prefixed classes such as
+``MixtralTopKRouter`` match without importing their library) and a module's place in the tree:
+
+- ``moe``: an MoE block, i.e. a module with an ``experts`` child and a ``gate`` or ``router`` child, a class
+  ending in ``MoE``/``SparseMoeBlock``/``MoELayer``, or an attribute such as ``block_sparse_moe``. Hugging Face
+  5.x keeps it at ``layers.N.mlp`` and Megatron at ``layers.N.mlp`` (``MoELayer``): an MoE block is never ``mlp``.
+- ``moe_router``: the ``gate``/``router`` child of an MoE block (or a child whose class ends in ``Router``).
+- ``mlp``: ``mlp``/``ffn``/``feed_forward`` that is not an MoE block, TE's ``LayerNormMLP``, a layer's child whose
+  class ends in ``MLP``, and the ``intermediate`` and ``output`` siblings of BERT-style layers (two regions).
+- ``attn``: attention attribute names, ``nn.MultiheadAttention``, TE classes, a layer's child ending in ``Attention``.
+- ``mamba``: ``mamba`` attributes and Mamba mixer classes (``*Mamba*Mixer``, ``mamba_ssm``'s ``Mamba``/``Mamba2``).
+- ``layer``: the numbered children of ``layers``/``layer``/``h``/``blocks`` lists, and transformer layer classes.
+- ``moe_preprocess``: a ``preprocess`` child of an MoE block; no Hugging Face or Megatron layout has one.
 
 A match nested inside another match (``blocks.0.attn`` inside ``blocks.0`` when both ``attn`` and ``layer`` are
 asked for) resolves to the outer one, so every region of the model is captured by one graph.
@@ -8,66 +22,124 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from lightning_cudagraph.config import AUTO, FULL_ITERATION, Selector
+from lightning_cudagraph.config import AUTO, FULL_ITERATION, Selector, config_error
 
 _LAYER_CONTAINERS = frozenset({"layers", "layer", "h", "blocks", "block", "decoder_layers", "encoder_layers"})
+_LAYER_CLASSES = frozenset({"TransformerLayer"})
 _MOE_NAMES = frozenset({"moe", "block_sparse_moe", "sparse_moe", "moe_layer", "moe_block", "mlp_moe"})
+# Lower-cased: Hugging Face spells the same block ``DeepseekV3MoE``, ``DeepseekV2Moe`` and ``ExaoneMoeSparseMoEBlock``.
+_MOE_CLASS_SUFFIXES = ("moe", "sparsemoeblock", "moelayer")
+_ROUTER_NAMES = frozenset({"gate", "router"})
+_ATTN_NAMES = frozenset({"attn", "attention", "self_attn", "self_attention", "mha", "multihead_attn"})
+_ATTN_CLASSES = frozenset({"MultiheadAttention", "DotProductAttention"})
+_MLP_NAMES = frozenset({"mlp", "ffn", "feed_forward", "feedforward"})
+# BERT-style layers split the feed-forward into two sibling modules, each called once per layer.
+_SPLIT_FFN = frozenset({"intermediate", "output"})
+_MAMBA_NAMES = frozenset({"mamba", "mamba_mixer"})
+_MAMBA_CLASSES = frozenset({"Mamba", "Mamba2"})
 
 
 @dataclass(frozen=True)
-class _Rule:
-    """A built-in scope: attribute names, class names (matched without importing the library), parent names."""
+class _Site:
+    """A module as the built-in rules see it: its qualified name, the module, and its parent."""
 
-    names: frozenset[str] = frozenset()
-    class_names: frozenset[str] = frozenset()
-    classes: tuple[type, ...] = ()
-    names_under_moe: frozenset[str] = frozenset()
-    layer_children: bool = False
+    name: str
+    module: nn.Module
+    parent_name: str
+    parent: nn.Module
 
-    def matches(self, qualified_name: str, module: nn.Module) -> bool:
-        parts = qualified_name.split(".")
-        attr, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
-        if attr in self.names or type(module).__name__ in self.class_names or isinstance(module, self.classes):
-            return True
-        if attr in self.names_under_moe and parent in _MOE_NAMES:
-            return True
-        return self.layer_children and attr.isdigit() and parent in _LAYER_CONTAINERS
+    @property
+    def attr(self) -> str:
+        return self.name.rpartition(".")[2]
+
+    @property
+    def cls(self) -> str:
+        return type(self.module).__name__
+
+    @property
+    def in_layer(self) -> bool:
+        return _is_layer(self.parent_name, self.parent)
+
+    @property
+    def in_moe(self) -> bool:
+        return _is_moe(self.parent_name, self.parent)
 
 
-BUILTIN_RULES: dict[str, _Rule] = {
-    "attn": _Rule(
-        names=frozenset({"attn", "attention", "self_attn", "self_attention", "mha", "multihead_attn"}),
-        class_names=frozenset({"MultiheadAttention", "DotProductAttention"}),
-        classes=(nn.MultiheadAttention,),
-    ),
-    "mlp": _Rule(
-        names=frozenset({"mlp", "ffn", "feed_forward", "feedforward"}),
-        class_names=frozenset({"LayerNormMLP"}),
-    ),
-    "moe": _Rule(names=_MOE_NAMES, class_names=frozenset({"MoELayer", "SparseMoeBlock"})),
-    "moe_router": _Rule(
-        names=frozenset({"router", "moe_router"}),
-        class_names=frozenset({"TopKRouter", "Router"}),
-        names_under_moe=frozenset({"gate"}),
-    ),
-    "moe_preprocess": _Rule(
-        names=frozenset({"preprocess", "moe_preprocess", "dispatcher", "token_dispatcher"}),
-        class_names=frozenset({"MoEAlltoAllTokenDispatcher", "MoEAllGatherTokenDispatcher"}),
-    ),
-    "mamba": _Rule(
-        names=frozenset({"mamba", "mamba_mixer"}),
-        class_names=frozenset({"MambaMixer", "Mamba2Mixer", "Mamba", "Mamba2", "MambaLayer"}),
-    ),
-    "layer": _Rule(
-        class_names=frozenset({"TransformerLayer"}),
-        classes=(nn.TransformerEncoderLayer, nn.TransformerDecoderLayer),
-        layer_children=True,
-    ),
+def _is_layer(name: str, module: nn.Module) -> bool:
+    parts = name.split(".")
+    numbered = len(parts) > 1 and parts[-1].isdigit() and parts[-2] in _LAYER_CONTAINERS
+    return (
+        numbered
+        or type(module).__name__ in _LAYER_CLASSES
+        or isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+    )
+
+
+def _is_moe(name: str, module: nn.Module) -> bool:
+    if _is_layer(name, module):  # a decoder layer that holds an MoE block (``MoEBlock`` in examples/moe.py) is a layer
+        return False
+    children = {child for child, _ in module.named_children()}
+    return (
+        name.rpartition(".")[2] in _MOE_NAMES
+        or type(module).__name__.lower().endswith(_MOE_CLASS_SUFFIXES)
+        or ("experts" in children and bool(children & _ROUTER_NAMES))
+    )
+
+
+def _attn(site: _Site) -> bool:
+    return (
+        site.attr in _ATTN_NAMES
+        or site.cls in _ATTN_CLASSES
+        or isinstance(site.module, nn.MultiheadAttention)
+        or (site.in_layer and site.cls.endswith("Attention"))
+    )
+
+
+def _mlp(site: _Site) -> bool:
+    if _is_moe(site.name, site.module):
+        return False
+    if site.attr in _MLP_NAMES or site.cls == "LayerNormMLP":
+        return True
+    if site.in_layer and site.cls.lower().endswith("mlp"):
+        return True
+    return site.attr in _SPLIT_FFN and {child for child, _ in site.parent.named_children()} >= _SPLIT_FFN
+
+
+def _moe(site: _Site) -> bool:
+    return _is_moe(site.name, site.module)
+
+
+def _moe_router(site: _Site) -> bool:
+    return site.attr == "moe_router" or (site.in_moe and (site.attr in _ROUTER_NAMES or site.cls.endswith("Router")))
+
+
+def _moe_preprocess(site: _Site) -> bool:
+    return site.attr == "moe_preprocess" or (site.attr == "preprocess" and site.in_moe)
+
+
+def _mamba(site: _Site) -> bool:
+    mixer = site.cls.endswith("Mixer") and "mamba" in site.cls.lower()
+    return site.attr in _MAMBA_NAMES or site.cls in _MAMBA_CLASSES or mixer
+
+
+def _layer(site: _Site) -> bool:
+    return _is_layer(site.name, site.module)
+
+
+#: The built-in scopes: a predicate over each module of the model (the root excluded).
+BUILTIN_RULES: dict[str, Callable[[_Site], bool]] = {
+    "attn": _attn,
+    "mlp": _mlp,
+    "moe": _moe,
+    "moe_router": _moe_router,
+    "moe_preprocess": _moe_preprocess,
+    "mamba": _mamba,
+    "layer": _layer,
 }
 
 #: The order in which ``scope="auto"`` tries scopes: the narrowest one that finds modules wins.
@@ -131,23 +203,38 @@ def resolve_scopes(
         ['blocks.0', 'blocks.1']
     """
     overrides = overrides or {}
-    named = [(name, module) for name, module in model.named_modules() if name]
+    sites = _sites(model)
     if tuple(scope) == (AUTO,):
         for candidate in AUTO_ORDER:
-            resolution = _resolve(named, [candidate], overrides)
+            resolution = _resolve(sites, [candidate], overrides)
             if resolution.targets:
                 resolution.chosen_by_auto = candidate
                 return resolution
         return ScopeResolution()
     requested = [s for s in scope if s != FULL_ITERATION]
-    resolution = _resolve(named, requested, overrides)
+    resolution = _resolve(sites, requested, overrides)
     for name in requested:
-        if not resolution.matched.get(name):
-            raise ValueError(
-                f"{component}: scope {name!r} matches no module of {type(model).__name__}. Allowed: scopes that"
-                f" match modules of this model; its modules include {candidate_names(model)}. Fix: drop {name!r},"
-                f" or pass modules={{{name!r}: 'a.glob.*.name'}} (a glob, an nn.Module class or a predicate)."
+        if resolution.matched.get(name):
+            continue
+        if name == "moe_preprocess" and name not in overrides:
+            raise config_error(
+                component,
+                "scope",
+                list(scope),
+                "'moe_preprocess' only on MoE blocks with their own `preprocess` submodule (as in examples/moe.py);"
+                f" {type(model).__name__} has none. Hugging Face MoE blocks route inside their router and experts,"
+                " and Megatron's token dispatcher is not an nn.Module, so neither layout has a region to capture",
+                "drop 'moe_preprocess' and keep 'moe_router' alone, or take 'moe' or 'layer' instead; or point it"
+                " at a module of yours: modules={'moe_preprocess': 'model.layers.*.mlp.<name>'}",
             )
+        found = [s for s in BUILTIN_RULES if s != name and any(BUILTIN_RULES[s](site) for site in sites)]
+        hint = " (its feed-forward blocks are MoE blocks: ask for 'moe')" if name == "mlp" and "moe" in found else ""
+        raise ValueError(
+            f"{component}: scope {name!r} matches no module of {type(model).__name__}. Allowed: scopes that"
+            f" match modules of this model (built-in ones here: {', '.join(found) or 'none'}); its modules include"
+            f" {candidate_names(model)}. Fix: drop {name!r}{hint}, or pass modules={{{name!r}: 'a.glob.*.name'}}"
+            " (a glob, an nn.Module class or a predicate)."
+        )
     return resolution
 
 
@@ -162,31 +249,41 @@ def candidate_names(model: nn.Module, limit: int = 24) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def _resolve(
-    named: list[tuple[str, nn.Module]], scopes: Sequence[str], overrides: Mapping[str, Sequence[Selector]]
-) -> ScopeResolution:
+def _sites(model: nn.Module) -> list[_Site]:
+    """Every module but the root, in model order, with its parent."""
+    modules = dict(model.named_modules())
+    sites = []
+    for name, module in modules.items():
+        if name:
+            parent_name = name.rpartition(".")[0]
+            sites.append(_Site(name, module, parent_name, modules[parent_name]))
+    return sites
+
+
+def _resolve(sites: list[_Site], scopes: Sequence[str], overrides: Mapping[str, Sequence[Selector]]) -> ScopeResolution:
     resolution = ScopeResolution()
     owner: dict[str, str] = {}
     for scope in scopes:
-        matches = [name for name, module in named if _selected(scope, name, module, overrides)]
+        matches = [site.name for site in sites if _selected(scope, site, overrides)]
         resolution.matched[scope] = matches
         for name in matches:
             owner.setdefault(name, scope)
-    modules = dict(named)
     for name in owner:
         enclosing = next((other for other in owner if name.startswith(other + ".")), None)
         if enclosing is not None:
             resolution.nested[name] = enclosing
     resolution.targets = [
-        Target(name, modules[name], owner[name]) for name, _ in named if name in owner and name not in resolution.nested
+        Target(site.name, site.module, owner[site.name])
+        for site in sites
+        if site.name in owner and site.name not in resolution.nested
     ]
     return resolution
 
 
-def _selected(scope: str, name: str, module: nn.Module, overrides: Mapping[str, Sequence[Selector]]) -> bool:
+def _selected(scope: str, site: _Site, overrides: Mapping[str, Sequence[Selector]]) -> bool:
     if scope in overrides:
-        return any(_selector_matches(selector, name, module) for selector in overrides[scope])
-    return BUILTIN_RULES[scope].matches(name, module)
+        return any(_selector_matches(selector, site.name, site.module) for selector in overrides[scope])
+    return BUILTIN_RULES[scope](site)
 
 
 def _selector_matches(selector: Selector, name: str, module: nn.Module) -> bool:

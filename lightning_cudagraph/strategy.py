@@ -51,7 +51,7 @@ class _CUDAGraphStrategyMixin:
         super().connect(model)
         trainer = trainer_of(model)
         if trainer is not None:
-            self._callback = _attach_callback(trainer, self.cudagraph_config, self.capture_backend)
+            self._callback = _attach_callback(trainer, self)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -196,10 +196,9 @@ def _warn_on_grad_stream_mismatch(enabled: bool) -> None:
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
 
 
-def _attach_callback(
-    trainer: pl.Trainer, config: CUDAGraphConfig, backend: CaptureBackend | None
-) -> CUDAGraphCallback:
+def _attach_callback(trainer: pl.Trainer, strategy: _CUDAGraphStrategyMixin) -> CUDAGraphCallback:
     """The Trainer's CUDAGraphCallback, added with the strategy's options when the user did not add one."""
+    config, backend = strategy.cudagraph_config, strategy.capture_backend
     existing = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
     if existing:
         if existing[0].config != config and config != CUDAGraphConfig():
@@ -211,7 +210,7 @@ def _attach_callback(
             existing[0].capture_backend = backend
         return existing[0]
     callback = CUDAGraphCallback(**config.options())
-    callback.capture_backend = backend
+    callback.capture_backend, callback.component = backend, type(strategy).__name__
     # Lightning keeps checkpoint callbacks last, so they save every other callback's state of the step.
     first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
     trainer.callbacks.insert(len(trainer.callbacks) if first_checkpoint is None else first_checkpoint, callback)

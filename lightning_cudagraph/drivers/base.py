@@ -36,9 +36,7 @@ class Driver(ABC):
         machine: The stage machine of this fit.
     """
 
-    def __init__(
-        self, config: CUDAGraphConfig, component: str, backend: CaptureBackend, machine: StageMachine
-    ) -> None:
+    def __init__(self, config: CUDAGraphConfig, component: str, backend: CaptureBackend, machine: StageMachine) -> None:
         self.config, self.component, self.backend, self.machine = config, component, backend, machine
         self.report: CUDAGraphReport = machine.report
 
@@ -58,13 +56,13 @@ class Driver(ABC):
     def release(self) -> None:
         """Stage 7: free every graph and restore everything patched (idempotent)."""
 
-    def abandon_step(self) -> None:
+    def abandon_step(self) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """A training batch never reached its end (``on_train_batch_start`` returned -1)."""
 
-    def check_nonfinite(self, step: int) -> None:
+    def check_nonfinite(self, step: int) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """Once per log interval: read non-finite counters the graphs keep (one host sync), if any."""
 
-    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
+    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """Keep the checkpoint free of the package's state."""
 
     # ------------------------------------------------------------------ capture bookkeeping

@@ -66,10 +66,10 @@ class MetricUpdates:
     metric updated inside a captured region or step would silently stop counting.
     """
 
-    def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
+    def __init__(self, named_modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
         self._metrics = {
-            f"{type(root).__name__}.{name}" if name else type(root).__name__: metric
-            for root in modules
+            ".".join(part for part in (prefix, name) if part): metric
+            for prefix, root in named_modules
             for name, metric in root.named_modules()
             if isinstance(metric, Metric)
         }

@@ -109,7 +109,9 @@ class FullStepDriver(Driver):
         return batch
 
     # ------------------------------------------------------------------ carrying it out (``optimizer_step``)
-    def run(self, trainer: pl.Trainer, closure: Any, optimizer: torch.optim.Optimizer, run_step: Callable[[], Any]) -> Any:
+    def run(
+        self, trainer: pl.Trainer, closure: Any, optimizer: torch.optim.Optimizer, run_step: Callable[[], Any]
+    ) -> Any:
         """Run the optimizer step as planned: eagerly, or captured then replayed."""
         plan, self._plan = self._plan, None
         if plan is None or isinstance(plan, EagerStep) or not self.machine.graphs_allowed:
@@ -137,7 +139,7 @@ class FullStepDriver(Driver):
         whole = self.steps[key]
         self._prepare(optimizer)
         self._note_memory_before_capture()
-        metrics = MetricUpdates([module])
+        metrics = MetricUpdates([("", module)])
 
         def body() -> None:  # what the graph holds; its Python runs while capturing only
             whole.logs.clear()

@@ -167,7 +167,7 @@ class ScopedDriver(Driver):
         """Capture a graph set for ``batch`` with the targets' hooks stashed; on failure roll back (or raise)."""
         self._note_memory_before_capture()
         modules = [call.module for call in calls]
-        metrics = MetricUpdates(modules)
+        metrics = MetricUpdates((call.name, call.module) for call in calls)
         started = time.perf_counter()
         try:
             with self.backend.preserved(modules), self.backend.failure_guard(), hooks_stashed(modules):

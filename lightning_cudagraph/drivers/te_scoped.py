@@ -33,7 +33,9 @@ class TEScopedDriver(ScopedDriver):
 
         recipe = fp8_recipe_of(trainer.precision_plugin)
         self.fp8 = recipe is not None
-        cache_weights = self.fp8 and trainer.accumulate_grad_batches > 1 and trainer.lightning_module.automatic_optimization
+        cache_weights = (
+            self.fp8 and trainer.accumulate_grad_batches > 1 and trainer.lightning_module.automatic_optimization
+        )
         self.weight_cache = FP8WeightCache() if cache_weights else None
         if self.weight_cache is not None:
             rank_zero_info(

@@ -1,0 +1,148 @@
+"""The whole-step (``full_iteration``) lifecycle on a CPU, driven for real through the fake capture backend."""
+
+from __future__ import annotations
+
+import csv
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
+
+from lightning_cudagraph import CUDAGraphStrategy, Stage
+from tests.fake_backend import FakeBackend
+from tests.helpers import RaiseAtStep, assert_losses_close, fit, graph_callback, patched_forwards, trainer
+from tests.models import TINY, DecoderModule, decoder
+
+CPU = {"accelerator": "cpu", "devices": 1}
+STEPS = 8
+WARMUP = 2
+
+
+def whole_step(backend: FakeBackend | None = None, **options) -> CUDAGraphStrategy:
+    """``cudagraph_full`` whose captures go to a fake backend."""
+    strategy = CUDAGraphStrategy(**{"scope": ["full_iteration"], "warmup_steps": WARMUP, **options})
+    strategy.capture_backend = backend or FakeBackend()
+    return strategy
+
+
+def assert_released(backend: FakeBackend) -> None:
+    assert backend.live_graphs == 0, "a step graph was not reset"
+    assert backend.optimizers and all(optimizer.restored for optimizer in backend.optimizers)
+    assert not backend.entered and backend.releases >= 1
+
+
+def logged(path) -> dict[int, float]:
+    with open(path) as handle:
+        return {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(handle) if row.get("train_loss")}
+
+
+def test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true(tmp_path):
+    backend = FakeBackend()
+    eager = fit(*decoder(TINY), STEPS, logger=CSVLogger(tmp_path, name="eager"), log_every_n_steps=1, **CPU)
+    strategy = whole_step(backend)
+    run = fit(
+        *decoder(TINY), STEPS, strategy=strategy, logger=CSVLogger(tmp_path, name="graphed"), log_every_n_steps=1, **CPU
+    )
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.captures, report.rollbacks, report.fallbacks) == (Stage.REPLAYING, 1, 0, 0)
+    assert report.replays == STEPS - WARMUP
+    assert backend.step_graphs and backend.step_graphs[0].replays == STEPS - WARMUP
+    assert_losses_close(eager.losses, run.losses, 1e-6)
+    assert logged(eager.trainer.logger.log_dir + "/metrics.csv") == pytest.approx(
+        logged(run.trainer.logger.log_dir + "/metrics.csv"), abs=1e-6
+    ), "train_loss logged from replayed steps differs from eager"
+    assert_released(backend)
+
+
+def batches_of_sizes(sizes: list[int]) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(TINY["vocab_size"], (max(sizes), TINY["seq_len"] + 1), generator=generator)
+    return DataLoader([(tokens[:n, :-1], tokens[:n, 1:]) for n in sizes], batch_size=None)
+
+
+@pytest.mark.parametrize(("policy", "captures", "fallbacks"), [("eager", 1, 2), ("recapture", 2, 1)])
+def test_a_batch_of_another_shape_runs_eagerly_or_is_captured_on_its_second_sighting(policy, captures, fallbacks):
+    sizes = [4] * (WARMUP + 2) + [3, 4, 3, 4]
+    run = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), strategy=whole_step(on_shape_change=policy), **CPU)
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.captures, report.fallbacks) == (Stage.REPLAYING, captures, fallbacks)
+    eager = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), **CPU)
+    assert_losses_close(eager.losses, run.losses, 1e-6)
+
+
+class _MetricInStep(DecoderModule):
+    """Updates a torchmetrics metric inside ``training_step``: a replay would not count it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.loss_mean = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.loss_mean.update(loss.detach())
+        return loss
+
+
+class _RebindDuringConfirmation(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == WARMUP + 1:
+            weight = pl_module.model.head.weight
+            weight.data = weight.data.clone()
+
+
+class _Unfreeze(pl.Callback):
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.model.ln_f.weight.requires_grad_(False)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == WARMUP + 3:
+            pl_module.model.ln_f.weight.requires_grad_(True)
+
+
+class _NaNAfterCapture(DecoderModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == WARMUP + 3 else loss
+
+
+@pytest.mark.parametrize(
+    ("module", "backend", "extra", "reason"),
+    [
+        pytest.param(_MetricInStep, FakeBackend(), [], "metric_in_graph", id="metric-in-step"),
+        pytest.param(DecoderModule, FakeBackend(fail_capture=RuntimeError("no")), [], "capture_failed", id="capture"),
+        pytest.param(DecoderModule, FakeBackend(), [_RebindDuringConfirmation()], "address_changed", id="rebound"),
+        pytest.param(DecoderModule, FakeBackend(), [_Unfreeze()], "trainable_changed", id="unfrozen"),
+        pytest.param(_NaNAfterCapture, FakeBackend(), [], "nonfinite_loss", id="nan-after-capture"),
+        pytest.param(DecoderModule, FakeBackend(mib_per_graph=64.0), [], "memory_budget", id="over-budget"),
+    ],
+)
+def test_a_failed_check_rolls_back_loudly(module, backend, extra, reason):
+    strategy = whole_step(backend, max_pool_mib=32)
+    with pytest.warns(UserWarning, match=f"rolled back to eager training: {reason}"):
+        run = fit(*decoder(TINY, module=module), STEPS, extra, strategy=strategy, log_every_n_steps=2, **CPU)
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1)
+    assert report.rollback_reasons[0].startswith(reason), report.rollback_reasons
+    assert run.trainer.global_step == STEPS, "training went on eagerly"
+    assert_released(backend)
+
+
+def test_module_hooks_are_refused_before_training():
+    model, data = decoder(TINY)
+    model.model.blocks[0].register_forward_hook(lambda module, args, output: None)
+    with pytest.raises(ValueError, match=r"model\.blocks\.0 carry hooks.*hook\.remove\(\)") as error:
+        trainer(STEPS, strategy=whole_step(), **CPU).fit(model, data)
+    assert "Allowed: full_iteration on modules without forward or backward hooks" in str(error.value)
+
+
+def test_an_exception_mid_fit_releases_the_graph_and_gives_the_optimizer_back():
+    backend = FakeBackend()
+    model, data = decoder(TINY)
+    with pytest.raises(RuntimeError, match="user error"):
+        trainer(STEPS, [RaiseAtStep(WARMUP + 2)], strategy=whole_step(backend), **CPU).fit(model, data)
+    assert backend.step_graphs, "the step had been captured"
+    assert patched_forwards(model) == []
+    assert_released(backend)
