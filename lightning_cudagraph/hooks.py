@@ -81,7 +81,8 @@ _FIRING = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_back
 
 def inner_hook_count(region: nn.Module) -> int:
     """Hooks on modules strictly inside ``region``: they do not fire while the region replays as a graph."""
-    return sum(len(getattr(module, name, ())) for module in region.modules() if module is not region for name in _FIRING)
+    inner = [module for module in region.modules() if module is not region]
+    return sum(len(getattr(module, name, ())) for module in inner for name in _FIRING)
 
 
 def hooked_modules(root: nn.Module) -> list[str]:
