@@ -70,16 +70,16 @@ class Attention(nn.Module):
         pytest.param({"warmup_steps": -1}, ["warmup_steps=-1", ">= 0"], id="warmup-negative"),
         pytest.param({"warmup_steps": True}, ["warmup_steps=True"], id="warmup-bool"),
         pytest.param({"warmup_steps": 2.0}, ["warmup_steps=2.0"], id="warmup-float"),
-        pytest.param(
-            {"max_graphs": 0, "on_shape_change": "recapture"}, ["max_graphs=0", ">= 1"], id="max-graphs-zero"
-        ),
+        pytest.param({"max_graphs": 0, "on_shape_change": "recapture"}, ["max_graphs=0", ">= 1"], id="max-graphs-zero"),
         pytest.param(
             {"max_graphs": 1, "on_shape_change": "recapture"},
             ["max_graphs=1", "at least 2", "on_shape_change='eager'"],
             id="recapture-with-one-graph-set",
         ),
         pytest.param(
-            {"max_graphs": 8}, ["max_graphs=8", "only with on_shape_change='recapture'"], id="max-graphs-without-recapture"
+            {"max_graphs": 8},
+            ["max_graphs=8", "only with on_shape_change='recapture'"],
+            id="max-graphs-without-recapture",
         ),
         pytest.param({"confirm_steps": 0}, ["confirm_steps=0", ">= 1"], id="confirm-steps-zero"),
         pytest.param({"parity_tol": 0.0}, ["parity_tol=0.0", "(0, 0.25]"], id="parity-tol-zero"),
