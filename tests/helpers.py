@@ -1,41 +1,85 @@
-"""Shared test helpers: the example GPT at test sizes, and callbacks that observe training."""
+"""Shared test helpers: quiet Trainers, a fit that records its losses, callbacks that observe or break training,
+and checks of what the package leaves behind (patched forwards, parameters, GPU memory).
+
+The models and data the tests train live in :mod:`tests.models`.
+"""
 
 from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
 
-from examples.gpt import GPTModule, TokenDataModule
+from lightning_cudagraph import CUDAGraphCallback
 
-SMALL = {"vocab_size": 1024, "seq_len": 128, "n_layer": 6, "width": 256, "heads": 4}
-TINY = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "width": 32, "heads": 2}
-
-
-def gpt(size: dict, **overrides) -> tuple[GPTModule, TokenDataModule]:
-    """A seeded GPT and its data module."""
-    pl.seed_everything(0, verbose=False)
-    model_args = {**size, **{k: v for k, v in overrides.items() if k in GPTModule.__init__.__code__.co_varnames}}
-    data_args = {k: v for k, v in overrides.items() if k in TokenDataModule.__init__.__code__.co_varnames}
-    data = TokenDataModule(vocab_size=size["vocab_size"], seq_len=size["seq_len"], **data_args)
-    return GPTModule(**model_args), data
+#: What every test Trainer turns off: no logger, checkpoints, progress bar, summary, sanity check or validation.
+QUIET = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+}
 
 
-def trainer(max_steps: int, callbacks: list | None = None, **kwargs) -> pl.Trainer:
-    """A quiet Trainer for tests."""
-    options = {
-        "max_steps": max_steps,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-        "callbacks": callbacks or [],
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
+# =================================================================== Trainers and fits
+def trainer(max_steps: int, callbacks: Sequence[pl.Callback] = (), **options: Any) -> pl.Trainer:
+    """A quiet Trainer (see :data:`QUIET`); ``options`` override any Trainer argument."""
+    return pl.Trainer(**{**QUIET, "max_steps": max_steps, "callbacks": list(callbacks), **options})
 
 
+def cpu_trainer(root: Path | str, max_steps: int, callbacks: Sequence[pl.Callback] = (), **options: Any) -> pl.Trainer:
+    """A quiet Trainer on one CPU device that writes (logs, checkpoints) under ``root``."""
+    return trainer(max_steps, callbacks, **{"accelerator": "cpu", "devices": 1, "default_root_dir": root, **options})
+
+
+class Run(NamedTuple):
+    """What :func:`fit` returns: per-step losses, the final parameters (float32 CPU copies), the Trainer, the model."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    trainer: pl.Trainer
+    model: pl.LightningModule
+
+
+def fit(
+    model: pl.LightningModule, data: Any, max_steps: int, callbacks: Sequence[pl.Callback] = (), **options: Any
+) -> Run:
+    """Fit ``model`` on ``data`` (a data module or a train loader) with a quiet Trainer.
+
+    A :class:`LossRecorder` runs ahead of ``callbacks``; ``options`` go to the Trainer.
+    """
+    losses = LossRecorder()
+    run = trainer(max_steps, [losses, *callbacks], **options)
+    run.fit(model, data)
+    return Run(losses.losses, parameters_of(model), run, model)
+
+
+def fit_cuda(
+    model: pl.LightningModule, data: Any, max_steps: int, callbacks: Sequence[pl.Callback] = (), **options: Any
+) -> Run:
+    """:func:`fit` on one CUDA device."""
+    return fit(model, data, max_steps, callbacks, **{"accelerator": "cuda", "devices": 1, **options})
+
+
+def graph_callbacks(trainer: pl.Trainer) -> list[CUDAGraphCallback]:
+    """The Trainer's CUDAGraphCallbacks (one the user passed, or the one a cudagraph strategy added at fit)."""
+    return [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
+
+
+def graph_callback(trainer: pl.Trainer) -> CUDAGraphCallback:
+    """The Trainer's one CUDAGraphCallback."""
+    callbacks = graph_callbacks(trainer)
+    assert len(callbacks) == 1, f"expected one CUDAGraphCallback, found {len(callbacks)}"
+    return callbacks[0]
+
+
+# =================================================================== callbacks
 class LossRecorder(pl.Callback):
     """Per-step training losses as Python floats (a host sync per step: fine in a test)."""
 
@@ -57,7 +101,19 @@ class RaiseAtStep(pl.Callback):
             raise RuntimeError(self.message)
 
 
+class StepCounter(pl.Callback):
+    """Counts the training batches that started (zero when the fit failed before training)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches += 1
+
+
+# =================================================================== what training leaves behind
 def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Float32 CPU copies of the parameters, by name."""
     return {name: p.detach().float().cpu().clone() for name, p in module.named_parameters()}
 
 
@@ -66,7 +122,8 @@ def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 def patched_forwards(module: torch.nn.Module) -> list[str]:
-    return [name for name, m in module.named_modules() if "forward" in m.__dict__]
+    """Modules that carry an instance attribute ``forward`` (a patched forward left behind)."""
+    return [name or "<root>" for name, m in module.named_modules() if "forward" in m.__dict__]
 
 
 def assert_losses_close(expected: list[float], actual: list[float], tolerance: float) -> None:
@@ -83,8 +140,6 @@ def assert_losses_close(expected: list[float], actual: list[float], tolerance: f
 
 def settled_memory() -> int:
     """``memory_allocated()`` once garbage and library workspaces are cleared."""
-    import gc
-
     gc.collect()
     torch.cuda.synchronize()
     if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):

@@ -221,12 +221,12 @@ def test_every_scoped_variant_has_a_handwritten_reference():
 
 
 def test_moe_config_builds_the_moe_model_and_its_scopes_resolve():
-    from examples.moe import MoEGPTModule
+    from benchmarks import variants
     from lightning_cudagraph.scopes import resolve_scopes
 
     config = {**CONFIGS["moe"], "n_layer": 2, "width": 32, "heads": 2, "vocab_size": 64, "seq_len": 16}
     cls = module_class(config)
-    assert cls is MoEGPTModule
+    assert cls is variants.MoEGPTModule
     from benchmarks.variants import model_args
 
     model = cls(**model_args(config))

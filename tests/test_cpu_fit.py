@@ -15,28 +15,15 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.gpt import GPTModule, TokenDataModule
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from tests.helpers import LossRecorder, RaiseAtStep
+from tests.helpers import LossRecorder, RaiseAtStep, StepCounter, cpu_trainer, graph_callback, patched_forwards
+from tests.models import TINY, TINY_DATA, decoder
 
-TINY_MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "width": 32, "heads": 2}
-TINY_DATA = {"vocab_size": 64, "seq_len": 16, "batch_size": 4, "train_samples": 64}
 MAX_STEPS = 6
-
-
-class TinyGPT(GPTModule):
-    """The example GPT, with the test and predict steps a user would add."""
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch))
-
-    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self(batch[0])
 
 
 class PlainModule(pl.LightningModule):
@@ -59,39 +46,15 @@ class PlainModule(pl.LightningModule):
         return DataLoader(data, batch_size=4)
 
 
-def tiny_gpt(**options: Any) -> TinyGPT:
-    seed_everything(0, verbose=False)
-    return TinyGPT(**{**TINY_MODEL, **options})
+def plain_fit() -> tuple[pl.LightningModule, dict[str, Any]]:
+    """:class:`PlainModule` and what its ``fit`` needs besides (nothing: it has its own loader)."""
+    return PlainModule(), {}
 
 
-def tiny_data() -> TokenDataModule:
-    return TokenDataModule(**TINY_DATA)
-
-
-def make_trainer(tmp_path: Any, **kwargs: Any) -> pl.Trainer:
-    options = {
-        "accelerator": "cpu",
-        "max_steps": MAX_STEPS,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "logger": False,
-        "num_sanity_val_steps": 0,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
-
-
-def graph_callback(trainer: pl.Trainer) -> CUDAGraphCallback:
-    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
-    assert len(callbacks) == 1, f"expected one CUDAGraphCallback, found {len(callbacks)}"
-    return callbacks[0]
-
-
-def patched_forwards(model: nn.Module) -> list[str]:
-    """Modules that carry an instance attribute ``forward`` (a patched forward left behind)."""
-    return [name or "<root>" for name, module in model.named_modules() if "forward" in module.__dict__]
+def tiny_fit() -> tuple[pl.LightningModule, dict[str, Any]]:
+    """The tiny decoder and its data module, as ``fit`` arguments."""
+    model, data = decoder(TINY, **TINY_DATA)
+    return model, {"datamodule": data}
 
 
 def fit_recording_warnings(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> list[warnings.WarningMessage]:
@@ -125,9 +88,9 @@ WITH_SCHEDULE = {"lr_step_size": 2}
 
 def eager_reference(tmp_path: Any) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The same fit with plain Lightning: the losses and final weights the package must reproduce on a CPU."""
-    model, recorder = tiny_gpt(**WITH_SCHEDULE), LossRecorder()
-    trainer = make_trainer(tmp_path / "eager", callbacks=[recorder], **WITH_VALIDATION)
-    trainer.fit(model, datamodule=tiny_data())
+    (model, data), recorder = decoder(TINY, **TINY_DATA, **WITH_SCHEDULE), LossRecorder()
+    trainer = cpu_trainer(tmp_path / "eager", MAX_STEPS, [recorder], **WITH_VALIDATION)
+    trainer.fit(model, datamodule=data)
     return recorder.losses, model.state_dict(), float(trainer.callback_metrics["val_loss"])
 
 
@@ -135,11 +98,11 @@ def eager_reference(tmp_path: Any) -> tuple[list[float], dict[str, torch.Tensor]
 def test_cpu_fit_trains_eagerly_with_one_no_cuda_warning(tmp_path, setup):
     expected_losses, expected_weights, expected_val_loss = eager_reference(tmp_path)
 
-    model, recorder = tiny_gpt(**WITH_SCHEDULE), LossRecorder()
+    (model, data), recorder = decoder(TINY, **TINY_DATA, **WITH_SCHEDULE), LossRecorder()
     options = SETUPS[setup]()
     callbacks = [*options.pop("callbacks", []), recorder]
-    trainer = make_trainer(tmp_path / "graphs", callbacks=callbacks, **options, **WITH_VALIDATION)
-    caught = fit_recording_warnings(trainer, model, datamodule=tiny_data())
+    trainer = cpu_trainer(tmp_path / "graphs", MAX_STEPS, callbacks, **options, **WITH_VALIDATION)
+    caught = fit_recording_warnings(trainer, model, datamodule=data)
 
     assert trainer.state.finished
     assert trainer.global_step == MAX_STEPS
@@ -158,9 +121,8 @@ def test_cpu_fit_trains_eagerly_with_one_no_cuda_warning(tmp_path, setup):
 
 @pytest.mark.parametrize("setup", SETUP_IDS)
 def test_validate_test_predict_and_second_fit_work_after_fit(tmp_path, setup):
-    data = tiny_data()
-    model = tiny_gpt()
-    trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=1, limit_train_batches=3, **SETUPS[setup]())
+    model, data = decoder(TINY, **TINY_DATA)
+    trainer = cpu_trainer(tmp_path, -1, max_epochs=1, limit_train_batches=3, limit_val_batches=None, **SETUPS[setup]())
     trainer.fit(model, datamodule=data)
     assert trainer.global_step == 3
 
@@ -168,7 +130,7 @@ def test_validate_test_predict_and_second_fit_work_after_fit(tmp_path, setup):
     assert "val_loss" in trainer.validate(model, dataloaders=val_loader, verbose=False)[0]
     assert "test_loss" in trainer.test(model, dataloaders=val_loader, verbose=False)[0]
     predictions = trainer.predict(model, dataloaders=val_loader)
-    assert predictions[0].shape == (TINY_DATA["batch_size"], TINY_DATA["seq_len"], TINY_DATA["vocab_size"])
+    assert predictions[0].shape == (TINY_DATA["batch_size"], TINY["seq_len"], TINY["vocab_size"])
     with torch.no_grad():
         assert torch.equal(predictions[0], model.eval()(next(iter(val_loader))[0])), "predict is the plain forward"
 
@@ -189,14 +151,14 @@ def test_resume_from_checkpoint_trains_on(tmp_path, setup):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     options = SETUPS[setup]()
     callbacks = [*options.pop("callbacks", []), checkpoint]
-    trainer = make_trainer(tmp_path, max_steps=3, callbacks=callbacks, enable_checkpointing=True, **options)
-    trainer.fit(tiny_gpt(), datamodule=tiny_data())
+    trainer = cpu_trainer(tmp_path, 3, callbacks, enable_checkpointing=True, **options)
+    trainer.fit(*decoder(TINY, **TINY_DATA))
     saved = torch.load(checkpoint.last_model_path, weights_only=False)
     assert graph_callback(trainer).state_key in saved["callbacks"], "the callback's counters travel in checkpoints"
 
-    model = tiny_gpt()
-    resumed = make_trainer(tmp_path, enable_checkpointing=True, **SETUPS[setup]())
-    caught = fit_recording_warnings(resumed, model, datamodule=tiny_data(), ckpt_path=checkpoint.last_model_path)
+    model, data = decoder(TINY, **TINY_DATA)
+    resumed = cpu_trainer(tmp_path, MAX_STEPS, enable_checkpointing=True, **SETUPS[setup]())
+    caught = fit_recording_warnings(resumed, model, datamodule=data, ckpt_path=checkpoint.last_model_path)
 
     assert resumed.state.finished
     assert resumed.global_step == MAX_STEPS
@@ -207,10 +169,10 @@ def test_resume_from_checkpoint_trains_on(tmp_path, setup):
 
 
 def test_impl_none_turns_everything_off_without_warning(tmp_path):
-    model = tiny_gpt()
+    model, data = decoder(TINY, **TINY_DATA)
     callback = CUDAGraphCallback(impl="none")
-    trainer = make_trainer(tmp_path, callbacks=[callback])
-    caught = fit_recording_warnings(trainer, model, datamodule=tiny_data())
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, [callback])
+    caught = fit_recording_warnings(trainer, model, datamodule=data)
 
     assert trainer.global_step == MAX_STEPS
     assert callback.report.stage == Stage.DISABLED
@@ -228,7 +190,7 @@ def test_impl_none_turns_everything_off_without_warning(tmp_path):
 )
 def test_auto_scope_without_targets_warns_and_trains(tmp_path, options):
     model = PlainModule()
-    trainer = make_trainer(tmp_path, **options())
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, **options())
     caught = fit_recording_warnings(trainer, model)
 
     assert trainer.state.finished
@@ -243,36 +205,28 @@ def test_auto_scope_without_targets_warns_and_trains(tmp_path, options):
     assert patched_forwards(model) == []
 
 
-class StepCounter(pl.Callback):
-    def __init__(self) -> None:
-        self.batches = 0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.batches += 1
-
-
 @pytest.mark.parametrize(
     ("make_model", "options", "unmatched", "candidates"),
     [
         pytest.param(
-            PlainModule,
+            plain_fit,
             lambda: {"callbacks": [CUDAGraphCallback(scope=["attn"])]},
             "attn",
             ["net.* (Linear)"],
             id="plain",
         ),
         pytest.param(
-            PlainModule, lambda: {"strategy": "cudagraph_attn"}, "attn", ["net.* (Linear)"], id="plain-strategy"
+            plain_fit, lambda: {"strategy": "cudagraph_attn"}, "attn", ["net.* (Linear)"], id="plain-strategy"
         ),
         pytest.param(
-            tiny_gpt,
+            tiny_fit,
             lambda: {"callbacks": [CUDAGraphCallback(scope=["moe"])]},
             "moe",
             ["model.blocks.*.attn", "model.blocks.*.mlp"],
             id="gpt-moe",
         ),
         pytest.param(
-            tiny_gpt,
+            tiny_fit,
             lambda: {"callbacks": [CUDAGraphCallback(scope=["attn", "mamba"])]},
             "mamba",
             ["model.blocks.*.attn"],
@@ -281,10 +235,9 @@ class StepCounter(pl.Callback):
     ],
 )
 def test_explicit_scope_matching_nothing_raises_before_training(tmp_path, make_model, options, unmatched, candidates):
-    model, counter = make_model(), StepCounter()
+    (model, fit_args), counter = make_model(), StepCounter()
     options = options()
-    trainer = make_trainer(tmp_path, **{**options, "callbacks": [*options.get("callbacks", []), counter]})
-    fit_args = {} if isinstance(model, PlainModule) else {"datamodule": tiny_data()}
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, **{**options, "callbacks": [*options.get("callbacks", []), counter]})
 
     with pytest.raises(ValueError, match="matches no module") as error:
         trainer.fit(model, **fit_args)
@@ -311,13 +264,13 @@ def test_explicit_scope_matching_nothing_raises_before_training(tmp_path, make_m
     ],
 )
 def test_full_iteration_refuses_trainer_settings_before_training(tmp_path, trainer_options, match):
-    model, counter = tiny_gpt(), StepCounter()
+    (model, data), counter = decoder(TINY, **TINY_DATA), StepCounter()
     trainer_options = trainer_options()
     options = {**trainer_options, "callbacks": [*trainer_options.get("callbacks", []), counter]}
-    trainer = make_trainer(tmp_path, **options)
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, **options)
 
     with pytest.raises(ValueError, match=match) as error:
-        trainer.fit(model, datamodule=tiny_data())
+        trainer.fit(model, datamodule=data)
 
     assert "Fix:" in str(error.value)
     assert counter.batches == 0
@@ -334,12 +287,12 @@ def test_full_iteration_refuses_trainer_settings_before_training(tmp_path, train
     ],
 )
 def test_activation_checkpointing_inside_target_raises(tmp_path, scope, checkpointed, where):
-    model, counter = tiny_gpt(), StepCounter()
+    (model, data), counter = decoder(TINY, **TINY_DATA), StepCounter()
     checkpointed(model).gradient_checkpointing = True
-    trainer = make_trainer(tmp_path, callbacks=[CUDAGraphCallback(scope=scope), counter])
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, [CUDAGraphCallback(scope=scope), counter])
 
     with pytest.raises(ValueError, match="activation checkpointing") as error:
-        trainer.fit(model, datamodule=tiny_data())
+        trainer.fit(model, datamodule=data)
 
     assert where in str(error.value)
     assert counter.batches == 0
@@ -348,18 +301,20 @@ def test_activation_checkpointing_inside_target_raises(tmp_path, scope, checkpoi
 
 @pytest.mark.parametrize("setup", SETUP_IDS)
 def test_exception_mid_training_leaves_no_patched_forward(tmp_path, setup):
-    model = tiny_gpt()
+    model, data = decoder(TINY, **TINY_DATA)
     options = SETUPS[setup]()
-    trainer = make_trainer(tmp_path, **{**options, "callbacks": [*options.get("callbacks", []), RaiseAtStep(3)]})
+    trainer = cpu_trainer(
+        tmp_path, MAX_STEPS, **{**options, "callbacks": [*options.get("callbacks", []), RaiseAtStep(3)]}
+    )
 
     with pytest.raises(RuntimeError, match="user error at step 3"):
-        trainer.fit(model, datamodule=tiny_data())
+        trainer.fit(model, datamodule=data)
 
     assert trainer.global_step == 3
     assert trainer.state.status == "interrupted"
     assert graph_callback(trainer).report.stage == Stage.DISABLED
     assert patched_forwards(model) == []
     # The model is still an ordinary model: a plain Lightning fit trains it.
-    plain = make_trainer(tmp_path / "after", max_steps=2)
-    plain.fit(model, datamodule=tiny_data())
+    plain = cpu_trainer(tmp_path / "after", 2)
+    plain.fit(model, datamodule=data)
     assert plain.global_step == 2

@@ -10,21 +10,19 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
-from examples.gpt import GPTModule
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
 from tests.helpers import (
-    SMALL,
-    LossRecorder,
     RaiseAtStep,
     assert_losses_close,
-    gpt,
+    fit_cuda,
+    graph_callback,
     graph_pool_bytes,
     max_param_diff,
-    parameters_of,
     patched_forwards,
     settled_memory,
     trainer,
 )
+from tests.models import SMALL, DecoderModule, decoder
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -32,22 +30,6 @@ STEPS, WARMUP = 30, 3
 # The package runs AdamW in its capturable form for the whole fit (same algorithm, bias corrections computed on the
 # device in float32), so the eager reference is AdamW(capturable=True): equal arithmetic, step for step.
 CAPTURABLE = {"capturable": True}
-
-
-def graph_callback(fit: pl.Trainer) -> CUDAGraphCallback:
-    (callback,) = (cb for cb in fit.callbacks if isinstance(cb, CUDAGraphCallback))
-    return callback
-
-
-def _train(strategy, steps=STEPS, model=None, callbacks=(), model_overrides=None, **kwargs):
-    if model is None:
-        model, data = gpt(SMALL, **(model_overrides or {}))
-    else:
-        _, data = gpt(SMALL, **(model_overrides or {}))
-    losses = LossRecorder()
-    fit = trainer(steps, [losses, *callbacks], accelerator="cuda", devices=1, strategy=strategy, **kwargs)
-    fit.fit(model, data)
-    return losses.losses, parameters_of(model), fit, model
 
 
 def full(**options) -> CUDAGraphStrategy:
@@ -64,11 +46,11 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
     # nondeterministic kernels (embedding backward uses atomics) far beyond 1e-5, between two eager runs as well.
     overrides = {"lr_step_size": 10, "lr_gamma": 0.5, "lr": 3e-4}
     common = {"gradient_clip_val": 0.5, "log_every_n_steps": 1}
-    eager, eager_params, eager_fit, _ = _train(
-        "auto", model_overrides={**overrides, **CAPTURABLE}, logger=CSVLogger(tmp_path, name="eager"), **common
+    eager, eager_params, eager_fit, _ = fit_cuda(
+        *decoder(SMALL, **overrides, **CAPTURABLE), STEPS, logger=CSVLogger(tmp_path, name="eager"), **common
     )
-    graphed, graphed_params, fit, model = _train(
-        full(), model_overrides=overrides, logger=CSVLogger(tmp_path, name="graphed"), **common
+    graphed, graphed_params, fit, model = fit_cuda(
+        *decoder(SMALL, **overrides), STEPS, strategy=full(), logger=CSVLogger(tmp_path, name="graphed"), **common
     )
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING, report.reason
@@ -89,31 +71,29 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
 
 def test_bf16_mixed_matches_eager():
     # bf16 kernels with atomics differ run to run (two eager runs too); 12 steps keep that drift below bf16 tolerance
-    eager, _, _, _ = _train("auto", steps=12, precision="bf16-mixed", model_overrides=CAPTURABLE)
-    graphed, _, fit, _ = _train(full(), steps=12, precision="bf16-mixed")
+    eager, _, _, _ = fit_cuda(*decoder(SMALL, **CAPTURABLE), 12, precision="bf16-mixed")
+    graphed, _, fit, _ = fit_cuda(*decoder(SMALL), 12, strategy=full(), precision="bf16-mixed")
     assert graph_callback(fit).report.stage == Stage.REPLAYING
     assert_losses_close(eager, graphed, 2e-2)
 
 
 def test_16_mixed_needs_a_fused_optimizer():
     with pytest.raises(ValueError, match="fused=True"):
-        _train(full(), precision="16-mixed")
-    eager, _, _, _ = _train("auto", precision="16-mixed", model_overrides={"fused": True, **CAPTURABLE})
-    graphed, _, fit, _ = _train(full(), precision="16-mixed", model_overrides={"fused": True})
+        fit_cuda(*decoder(SMALL), STEPS, strategy=full(), precision="16-mixed")
+    eager, _, _, _ = fit_cuda(*decoder(SMALL, fused=True, **CAPTURABLE), STEPS, precision="16-mixed")
+    graphed, _, fit, _ = fit_cuda(*decoder(SMALL, fused=True), STEPS, strategy=full(), precision="16-mixed")
     assert graph_callback(fit).report.stage == Stage.REPLAYING, graph_callback(fit).report.reason
     assert_losses_close(eager, graphed, 2e-2)
 
 
 def test_sgd_with_momentum_and_epoch_schedule():
-    class EpochDecay(GPTModule):
+    class EpochDecay(DecoderModule):
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
             return [optimizer], [torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)]
 
     def run(strategy):
-        pl.seed_everything(0, verbose=False)
-        model = EpochDecay(**SMALL)
-        return _train(strategy, steps=24, model=model, model_overrides={"train_samples": 8 * 8})
+        return fit_cuda(*decoder(SMALL, module=EpochDecay, train_samples=8 * 8), 24, strategy=strategy)
 
     eager, eager_params, _, _ = run("auto")
     graphed, graphed_params, fit, _ = run(full())
@@ -142,20 +122,20 @@ class _SyncWindow(pl.Callback):
 def test_no_host_sync_in_replayed_steps():
     callback = CUDAGraphCallback(scope=["full_iteration"], warmup_steps=WARMUP)
     window = _SyncWindow(callback, STEPS)  # first: it opens the window before every other end-of-step hook runs
-    model, data = gpt(SMALL)
+    model, data = decoder(SMALL)
     fit = trainer(STEPS, [window, callback], accelerator="cuda", devices=1, strategy=full(), log_every_n_steps=1000)
     fit.fit(model, data)
     assert callback.report.stage == Stage.REPLAYING
     assert window.checked >= STEPS - WARMUP - 4
 
 
-class _PoisonedLoss(GPTModule):
+class _PoisonedLoss(DecoderModule):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.register_buffer("loss_scale", torch.ones(()))
 
     def training_step(self, batch, batch_idx):
-        loss = self._loss(batch) * self.loss_scale
+        loss = self.loss(batch) * self.loss_scale
         self.log("train_loss", loss)
         return loss
 
@@ -171,16 +151,15 @@ class _Poison(pl.Callback):
 
 @pytest.mark.parametrize("on_failure", ["eager", "raise"])
 def test_nan_loss_is_caught_within_one_log_interval(on_failure):
-    pl.seed_everything(0, verbose=False)
-    model = _PoisonedLoss(**SMALL)
+    model, data = decoder(SMALL, module=_PoisonedLoss)
     strategy = full(on_failure=on_failure)
     poison_at, interval = 12, 5
     if on_failure == "raise":
         with pytest.raises(RuntimeError, match=f"first at step {poison_at}"):
-            _train(strategy, model=model, callbacks=[_Poison(poison_at)], log_every_n_steps=interval)
+            fit_cuda(model, data, STEPS, [_Poison(poison_at)], strategy=strategy, log_every_n_steps=interval)
         return
     with pytest.warns(UserWarning, match="nonfinite_loss"):
-        _losses, _, fit, _ = _train(strategy, model=model, callbacks=[_Poison(poison_at)], log_every_n_steps=interval)
+        fit = fit_cuda(model, data, STEPS, [_Poison(poison_at)], strategy=strategy, log_every_n_steps=interval).trainer
     report = graph_callback(fit).report
     assert report.stage == Stage.DISABLED
     ((first, count),) = report.nonfinite
@@ -191,15 +170,15 @@ def test_nan_loss_is_caught_within_one_log_interval(on_failure):
 
 def test_ragged_batch_runs_eagerly_then_is_recaptured():
     overrides = {"train_samples": 8 * 4 + 5, "drop_last": False, **CAPTURABLE}
-    eager, _, _, _ = _train("auto", steps=20, model_overrides=overrides)
-    graphed, _, fit, _ = _train(full(), steps=20, model_overrides=overrides)
+    eager, _, _, _ = fit_cuda(*decoder(SMALL, **overrides), 20)
+    graphed, _, fit, _ = fit_cuda(*decoder(SMALL, **overrides), 20, strategy=full())
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING
     assert report.fallbacks == 4  # one eager step per epoch
     assert "[5, 128]" in next(iter(report.fallback_reasons))
     assert_losses_close(eager, graphed, 1e-5)
 
-    recaptured, _, fit, _ = _train(full(on_shape_change="recapture"), steps=20, model_overrides=overrides)
+    recaptured, _, fit, _ = fit_cuda(*decoder(SMALL, **overrides), 20, strategy=full(on_shape_change="recapture"))
     report = graph_callback(fit).report
     assert report.captures == 2 and report.fallbacks == 1
     assert_losses_close(eager, recaptured, 1e-5)
@@ -208,13 +187,13 @@ def test_ragged_batch_runs_eagerly_then_is_recaptured():
 def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
     common = {"limit_val_batches": 2, "val_check_interval": 5, "enable_checkpointing": True}
-    eager, _, _, _ = _train("auto", model_overrides={"val_samples": 16, **CAPTURABLE}, **common)
-    graphed, _, fit, _ = _train(full(), callbacks=[checkpoint], model_overrides={"val_samples": 16}, **common)
+    eager, _, _, _ = fit_cuda(*decoder(SMALL, val_samples=16, **CAPTURABLE), STEPS, **common)
+    graphed, _, fit, _ = fit_cuda(*decoder(SMALL, val_samples=16), STEPS, [checkpoint], strategy=full(), **common)
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING and report.fallbacks == 0
     assert_losses_close(eager, graphed, 1e-5)
 
-    model, data = gpt(SMALL)
+    model, data = decoder(SMALL)
     resumed = trainer(STEPS, [], accelerator="cuda", devices=1, strategy=full())
     resumed.fit(model, data, ckpt_path=tmp_path / "epoch=0-step=10.ckpt")
     report = graph_callback(resumed).report
@@ -225,7 +204,7 @@ def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
 
 def test_exception_releases_graphs_pool_and_optimizer():
     def failed_fit():
-        model, data = gpt(SMALL)
+        model, data = decoder(SMALL)
         fit = trainer(STEPS, [RaiseAtStep(9, "boom")], accelerator="cuda", devices=1, strategy=full())
         with pytest.raises(RuntimeError, match="boom"):
             fit.fit(model, data)
@@ -252,9 +231,9 @@ def test_exception_releases_graphs_pool_and_optimizer():
 def test_ddp_single_process_nccl(scope, warmup):
     """DDP with one process (NCCL, world size 1): DDP built on the side stream, all-reduce inside the graph."""
     overrides = {"lr": 3e-4, **(CAPTURABLE if warmup > 3 else {})}
-    eager, eager_params, _, _ = _train(DDPStrategy(), steps=20, model_overrides=overrides)
-    graphed, graphed_params, fit, _ = _train(
-        DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup), steps=20, model_overrides={"lr": 3e-4}
+    eager, eager_params, _, _ = fit_cuda(*decoder(SMALL, **overrides), 20, strategy=DDPStrategy())
+    graphed, graphed_params, fit, _ = fit_cuda(
+        *decoder(SMALL, lr=3e-4), 20, strategy=DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup)
     )
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING, report.reason

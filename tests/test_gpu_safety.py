@@ -7,19 +7,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from examples.gpt import GPTModule
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from tests.helpers import (
-    SMALL,
-    LossRecorder,
     assert_losses_close,
-    gpt,
+    fit_cuda,
+    graph_callbacks,
     graph_pool_bytes,
     max_param_diff,
     parameters_of,
     patched_forwards,
-    trainer,
 )
+from tests.models import SMALL, DecoderModule, decoder
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -28,22 +26,19 @@ LR = 3e-4  # a calm run: no loss spike to amplify the last-bit differences of at
 MODES = [pytest.param("layer", id="layer"), pytest.param("full_iteration", id="full_iteration")]
 
 
-def _fit(model, mode, callbacks=(), **options):
-    """Train ``model`` with graphs in ``mode`` (or eagerly for ``mode=None``); return losses and the callback."""
-    _, data = gpt(SMALL)
-    losses = LossRecorder()
-    strategy, graph_callbacks = "auto", []
+def _fit(model, data, mode, callbacks=(), **options):
+    """Train ``model`` with graphs in ``mode`` (or eagerly for ``mode=None``); return losses, callback and Trainer."""
+    strategy, graphs = "auto", []
     if mode == "full_iteration":
         strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP, **options)
     elif mode is not None:
-        graph_callbacks = [CUDAGraphCallback(scope=[mode], warmup_steps=WARMUP, **options)]
-    fit = trainer(STEPS, [losses, *callbacks, *graph_callbacks], accelerator="cuda", devices=1, strategy=strategy)
-    fit.fit(model, data)
-    found = [cb for cb in fit.callbacks if isinstance(cb, CUDAGraphCallback)]
-    return losses.losses, (found[0] if found else None), fit
+        graphs = [CUDAGraphCallback(scope=[mode], warmup_steps=WARMUP, **options)]
+    losses, _, fit, _ = fit_cuda(model, data, STEPS, [*callbacks, *graphs], strategy=strategy)
+    found = graph_callbacks(fit)
+    return losses, (found[0] if found else None), fit
 
 
-class _NaNLossAtStep1(GPTModule):
+class _NaNLossAtStep1(DecoderModule):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         return loss * float("nan") if self.trainer.global_step == 1 else loss
@@ -51,9 +46,8 @@ class _NaNLossAtStep1(GPTModule):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_nonfinite_warmup_loss_keeps_graphs_off(mode):
-    pl.seed_everything(0, verbose=False)
-    model = _NaNLossAtStep1(**SMALL)
-    _, callback, _ = _fit(model, mode)
+    model, data = decoder(SMALL, module=_NaNLossAtStep1)
+    _, callback, _ = _fit(model, data, mode)
     report = callback.report
     assert report.stage == Stage.DISABLED
     assert report.reason == "nonfinite_warmup"
@@ -71,18 +65,18 @@ class _Unfreeze(pl.Callback):
 
 
 def _frozen_first_block(**overrides):
-    model, _ = gpt(SMALL, lr=LR, **overrides)
+    model, data = decoder(SMALL, lr=LR, **overrides)
     model.model.blocks[0].requires_grad_(False)
-    return model
+    return model, data
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_unfreezing_a_parameter_after_capture_rolls_back_on_that_step(mode):
     # Eager reference: the optimizer in the form the whole-step graph runs it until the rollback.
-    eager_model = _frozen_first_block(capturable=mode == "full_iteration")
-    eager, _, _ = _fit(eager_model, None, callbacks=[_Unfreeze()])
-    model = _frozen_first_block()
-    graphed, callback, _ = _fit(model, mode, callbacks=[_Unfreeze()])
+    eager_model, data = _frozen_first_block(capturable=mode == "full_iteration")
+    eager, _, _ = _fit(eager_model, data, None, callbacks=[_Unfreeze()])
+    model, data = _frozen_first_block()
+    graphed, callback, _ = _fit(model, data, mode, callbacks=[_Unfreeze()])
 
     report = callback.report
     assert report.rollbacks == 1
@@ -96,8 +90,8 @@ def test_unfreezing_a_parameter_after_capture_rolls_back_on_that_step(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_memory_budget_rolls_back_and_gives_the_optimizer_back(mode):
-    model, _ = gpt(SMALL, lr=LR)
-    losses, callback, fit = _fit(model, mode, max_pool_mib=1.0)
+    model, data = decoder(SMALL, lr=LR)
+    losses, callback, fit = _fit(model, data, mode, max_pool_mib=1.0)
     report = callback.report
     assert report.stage == Stage.DISABLED
     assert report.rollbacks == 1 and "memory_budget" in report.rollback_reasons[0], report.rollback_reasons

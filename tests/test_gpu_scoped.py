@@ -7,35 +7,22 @@ import pytest
 import torch
 from torch import nn
 
-from examples.gpt import GPTModule
 from lightning_cudagraph import CUDAGraphCallback, Stage
 from tests.helpers import (
-    SMALL,
-    TINY,
-    LossRecorder,
     RaiseAtStep,
     assert_losses_close,
-    gpt,
+    fit_cuda,
     graph_pool_bytes,
     max_param_diff,
-    parameters_of,
     patched_forwards,
     settled_memory,
     trainer,
 )
+from tests.models import SMALL, TINY, DecoderModule, MoEDecoderModule, decoder
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
 STEPS, WARMUP = 20, 3
-
-
-def _train(size, steps=STEPS, callback=None, precision="32-true", model_overrides=None, **trainer_kwargs):
-    model, data = gpt(size, **(model_overrides or {}))
-    losses = LossRecorder()
-    callbacks = [losses] + ([callback] if callback is not None else [])
-    fit = trainer(steps, callbacks, accelerator="cuda", devices=1, precision=precision, **trainer_kwargs)
-    fit.fit(model, data)
-    return losses.losses, parameters_of(model), model
 
 
 @pytest.mark.parametrize(
@@ -47,9 +34,9 @@ def _train(size, steps=STEPS, callback=None, precision="32-true", model_override
     ],
 )
 def test_graphed_training_matches_eager_fp32(scope, graphs):
-    eager, eager_params, _ = _train(SMALL)
+    eager, eager_params, _, _ = fit_cuda(*decoder(SMALL), STEPS)
     callback = CUDAGraphCallback(scope=scope, warmup_steps=WARMUP)
-    graphed, graphed_params, model = _train(SMALL, callback=callback)
+    graphed, graphed_params, _, model = fit_cuda(*decoder(SMALL), STEPS, [callback])
 
     report = callback.report
     assert report.stage == Stage.REPLAYING, report.reason
@@ -66,9 +53,9 @@ def test_graphed_training_matches_eager_fp32(scope, graphs):
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_graphed_training_matches_eager_mixed_precision(precision):
-    eager, _, _ = _train(SMALL, precision=precision)
+    eager = fit_cuda(*decoder(SMALL), STEPS, precision=precision).losses
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
-    graphed, _, _ = _train(SMALL, callback=callback, precision=precision)
+    graphed = fit_cuda(*decoder(SMALL), STEPS, [callback], precision=precision).losses
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     # Same kernels in both runs; reduced precision leaves room only for nondeterministic reductions.
     assert_losses_close(eager, graphed, 2e-2)
@@ -77,15 +64,14 @@ def test_graphed_training_matches_eager_mixed_precision(precision):
 
 def test_dropout_draws_the_masks_eager_training_draws():
     """Replays advance the CUDA generator like eager kernels do: with dropout, graphed == eager, step by step."""
-    overrides = {"dropout": 0.1}
-    eager, _, _ = _train(SMALL, model_overrides=overrides)
+    eager = fit_cuda(*decoder(SMALL, dropout=0.1), STEPS).losses
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
-    graphed, _, _ = _train(SMALL, callback=callback, model_overrides=overrides)
+    graphed = fit_cuda(*decoder(SMALL, dropout=0.1), STEPS, [callback]).losses
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert_losses_close(eager, graphed, 1e-4)
 
 
-class _DropoutProbe(GPTModule):
+class _DropoutProbe(DecoderModule):
     """Replays its first block twice on one input late in training, before the step's own forward."""
 
     probes: list[torch.Tensor]
@@ -98,9 +84,7 @@ class _DropoutProbe(GPTModule):
 
 
 def test_dropout_masks_are_fresh_on_every_replay():
-    pl.seed_everything(0, verbose=False)
-    model = _DropoutProbe(**SMALL, dropout=0.5)
-    _, data = gpt(SMALL)
+    model, data = decoder(SMALL, module=_DropoutProbe, dropout=0.5)
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     trainer(STEPS, [callback], accelerator="cuda", devices=1).fit(model, data)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
@@ -112,9 +96,9 @@ def test_dropout_masks_are_fresh_on_every_replay():
 def test_ragged_last_batch_falls_back_for_that_step_only():
     overrides = {"train_samples": 8 * 10 + 5, "drop_last": False}
     steps = 13  # epoch of 11 batches (the last has 5 rows), then 2 more
-    eager, _, _ = _train(SMALL, steps=steps, model_overrides=overrides)
+    eager = fit_cuda(*decoder(SMALL, **overrides), steps).losses
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
-    graphed, _, _ = _train(SMALL, steps=steps, callback=callback, model_overrides=overrides)
+    graphed = fit_cuda(*decoder(SMALL, **overrides), steps, [callback]).losses
     report = callback.report
     assert report.stage == Stage.REPLAYING
     assert report.fallbacks == SMALL["n_layer"]  # the ragged step, every layer once
@@ -127,9 +111,9 @@ def test_ragged_last_batch_falls_back_for_that_step_only():
 def test_ragged_batch_is_captured_again_with_recapture():
     overrides = {"train_samples": 8 * 4 + 5, "drop_last": False}
     steps = 5 * 4  # four epochs of 5 batches: the 5-row batch appears four times
-    eager, _, _ = _train(SMALL, steps=steps, model_overrides=overrides)
+    eager = fit_cuda(*decoder(SMALL, **overrides), steps).losses
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, on_shape_change="recapture")
-    graphed, _, _ = _train(SMALL, steps=steps, callback=callback, model_overrides=overrides)
+    graphed = fit_cuda(*decoder(SMALL, **overrides), steps, [callback]).losses
     report = callback.report
     assert report.stage == Stage.REPLAYING, report.reason
     assert report.captures == 2
@@ -138,7 +122,7 @@ def test_ragged_batch_is_captured_again_with_recapture():
 
 
 def test_shape_change_error_policy_raises_with_the_shapes():
-    model, data = gpt(SMALL, train_samples=8 * 5 + 3, drop_last=False)
+    model, data = decoder(SMALL, train_samples=8 * 5 + 3, drop_last=False)
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, on_shape_change="error")
     with pytest.raises(RuntimeError, match=r"\[3, 128\]"):
         trainer(8, [callback], accelerator="cuda", devices=1).fit(model, data)
@@ -147,9 +131,9 @@ def test_shape_change_error_policy_raises_with_the_shapes():
 
 def test_gradient_accumulation_and_clipping_match_eager():
     kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
-    eager, eager_params, _ = _train(SMALL, steps=10, **kwargs)
+    eager, eager_params, _, _ = fit_cuda(*decoder(SMALL), 10, **kwargs)
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
-    graphed, graphed_params, _ = _train(SMALL, steps=10, callback=callback, **kwargs)
+    graphed, graphed_params, _, _ = fit_cuda(*decoder(SMALL), 10, [callback], **kwargs)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert_losses_close(eager, graphed, 1e-5)
     assert max_param_diff(eager_params, graphed_params) < 1e-5
@@ -158,7 +142,7 @@ def test_gradient_accumulation_and_clipping_match_eager():
 def _failed_fit() -> tuple[int, object]:
     """Memory once a graphed fit died mid-training and every reference to it is gone (the report is plain data)."""
 
-    model, data = gpt(SMALL)
+    model, data = decoder(SMALL)
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     with pytest.raises(RuntimeError, match="boom"):
         trainer(STEPS, [callback, RaiseAtStep(9, "boom")], accelerator="cuda", devices=1).fit(model, data)
@@ -180,7 +164,7 @@ def test_exception_mid_training_releases_everything():
 
 
 def test_hook_that_rebinds_a_parameter_is_caught_and_rolled_back():
-    model, data = gpt(SMALL)
+    model, data = decoder(SMALL)
     target = model.model.blocks[2]
 
     def rebind(module, args):
@@ -201,7 +185,7 @@ def test_hook_that_rebinds_a_parameter_is_caught_and_rolled_back():
 
 
 def test_rollback_can_raise_instead():
-    model, data = gpt(SMALL)
+    model, data = decoder(SMALL)
 
     def rebind(module, args):
         if module.training and callback.report.stage == Stage.CONFIRMING:
@@ -215,14 +199,13 @@ def test_rollback_can_raise_instead():
 
 
 def _train_with_hooks(callback):
-    model, data = gpt(SMALL)
+    model, data = decoder(SMALL)
     calls = []
     counting = model.model.blocks[1].register_forward_pre_hook(lambda m, a: calls.append(m.training))
     model.model.blocks[3].register_forward_pre_hook(lambda m, a: (a[0] * 0.5,))  # changes what the graph sees
-    losses = LossRecorder()
-    trainer(STEPS, [losses] + ([callback] if callback else []), accelerator="cuda", devices=1).fit(model, data)
+    losses = fit_cuda(model, data, STEPS, [callback] if callback else []).losses
     counting.remove()  # handles stay valid through capture and release
-    return losses.losses, calls
+    return losses, calls
 
 
 def test_forward_pre_hooks_on_a_target_keep_firing_after_capture():
@@ -235,7 +218,7 @@ def test_forward_pre_hooks_on_a_target_keep_firing_after_capture():
 
 
 def test_validation_second_fit_checkpoint_and_resume(tmp_path):
-    model, data = gpt(SMALL, val_samples=16)
+    model, data = decoder(SMALL, val_samples=16)
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
     fit = trainer(
@@ -263,12 +246,12 @@ def test_validation_second_fit_checkpoint_and_resume(tmp_path):
 
     # a checkpoint saved while graphs were active loads into a plain model
     saved = torch.load(tmp_path / "epoch=0-step=10.ckpt", weights_only=False)
-    plain, _ = gpt(SMALL)
+    plain, _ = decoder(SMALL)
     plain.load_state_dict(saved["state_dict"], strict=True)
 
     # resuming warms up and captures again, with the counters restored
     resumed_callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
-    resumed, data = gpt(SMALL)
+    resumed, data = decoder(SMALL)
     trainer(STEPS, [resumed_callback], accelerator="cuda", devices=1).fit(
         resumed, data, ckpt_path=tmp_path / "epoch=0-step=10.ckpt"
     )
@@ -336,9 +319,7 @@ def test_multihead_attention_with_keyword_arguments_and_masks():
         model = _TorchTransformer()
         tokens = torch.randint(64, (64, 17))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), 8)
-        losses = LossRecorder()
-        trainer(12, [losses] + ([callback] if callback else []), accelerator="cuda", devices=1).fit(model, loader)
-        return losses.losses
+        return fit_cuda(model, loader, 12, [callback] if callback else []).losses
 
     eager = run(None)
     callback = CUDAGraphCallback(scope=["attn"], warmup_steps=WARMUP)
@@ -352,7 +333,7 @@ def test_multihead_attention_with_keyword_arguments_and_masks():
 
 def test_tiny_model_on_cuda_with_auto_scope():
     callback = CUDAGraphCallback()
-    _train(TINY, steps=10, callback=callback)
+    fit_cuda(*decoder(TINY), 10, [callback])
     assert callback.report.scopes and "attn" in callback.report.scopes
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
 
@@ -365,15 +346,9 @@ def test_tiny_model_on_cuda_with_auto_scope():
     ],
 )
 def test_moe_scopes_match_eager(scope, graphs):
-    from examples.moe import MoEGPTModule
-
     def run(callback):
-        pl.seed_everything(0, verbose=False)
-        model = MoEGPTModule(experts=4, **SMALL)
-        _, data = gpt(SMALL)
-        losses = LossRecorder()
-        trainer(STEPS, [losses] + ([callback] if callback else []), accelerator="cuda", devices=1).fit(model, data)
-        return losses.losses
+        model, data = decoder(SMALL, module=MoEDecoderModule, experts=4)
+        return fit_cuda(model, data, STEPS, [callback] if callback else []).losses
 
     eager = run(None)
     callback = CUDAGraphCallback(scope=scope, warmup_steps=WARMUP)

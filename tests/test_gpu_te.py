@@ -11,16 +11,14 @@ import torch
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
 from tests.helpers import (
-    SMALL,
-    LossRecorder,
     RaiseAtStep,
     assert_losses_close,
-    gpt,
+    fit_cuda,
     graph_pool_bytes,
     patched_forwards,
     settled_memory,
-    trainer,
 )
+from tests.models import SMALL, TEDecoderModule, decoder
 
 te = pytest.importorskip("transformer_engine.pytorch")
 pytestmark = [pytest.mark.cuda, pytest.mark.te, pytest.mark.timeout(300)]
@@ -38,26 +36,20 @@ def _precision(fp8: bool):
     return TransformerEnginePrecision(weights_dtype=torch.float32, recipe=recipe, fallback_compute_dtype=torch.bfloat16)
 
 
-def _train(callback, fp8, steps=STEPS, probe=None, accumulate=1, dropout=0.0, module_class=None):
-    from examples.te_gpt import TEGPTModule
-
-    pl.seed_everything(0, verbose=False)
-    model = (module_class or TEGPTModule)(**SMALL, dropout=dropout)
-    _, data = gpt(SMALL)
-    losses = LossRecorder()
-    callbacks = [losses] + ([callback] if callback else []) + ([probe] if probe else [])
+def _train_te(callback, fp8, steps=STEPS, probe=None, accumulate=1, dropout=0.0, module=TEDecoderModule):
+    """Train the TE decoder (bf16, or FP8 with delayed scaling); return the per-step losses and the model."""
+    model, data = decoder(SMALL, module=module, dropout=dropout)
+    callbacks = ([callback] if callback else []) + ([probe] if probe else [])
     precision = _precision(fp8)
     kwargs = {"plugins": [precision]} if fp8 else {"precision": precision}
-    trainer(steps, callbacks, accelerator="cuda", devices=1, accumulate_grad_batches=accumulate, **kwargs).fit(
-        model, data
-    )
-    return losses.losses, model
+    losses, _, _, model = fit_cuda(model, data, steps, callbacks, accumulate_grad_batches=accumulate, **kwargs)
+    return losses, model
 
 
 def test_te_layers_bf16_graphed_match_te_eager():
-    eager, _ = _train(None, fp8=False)
+    eager, _ = _train_te(None, fp8=False)
     callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
-    graphed, model = _train(callback, fp8=False)
+    graphed, model = _train_te(callback, fp8=False)
     report = callback.report
     assert report.scopes["layer"] == [f"model.blocks.{i}" for i in range(SMALL["n_layer"])]
     assert report.stage == Stage.REPLAYING, report.reason
@@ -70,17 +62,15 @@ def test_te_layers_bf16_graphed_match_te_eager():
 
 def test_te_dropout_draws_the_masks_eager_training_draws():
     """TE's graphs register the generators dropout draws from: graphed training tracks TE eager with dropout on."""
-    eager, _ = _train(None, fp8=False, dropout=0.1)
+    eager, _ = _train_te(None, fp8=False, dropout=0.1)
     callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
-    graphed, _ = _train(callback, fp8=False, dropout=0.1)
+    graphed, _ = _train_te(callback, fp8=False, dropout=0.1)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert_losses_close(eager, graphed, 2e-2)
 
 
 def test_te_dropout_masks_are_fresh_on_every_replay():
-    from examples.te_gpt import TEGPTModule
-
-    class DropoutProbe(TEGPTModule):
+    class DropoutProbe(TEDecoderModule):
         """Replays its first layer twice on one input late in training, before the step's own forward."""
 
         def training_step(self, batch, batch_idx):
@@ -90,7 +80,7 @@ def test_te_dropout_masks_are_fresh_on_every_replay():
             return super().training_step(batch, batch_idx)
 
     callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
-    _, model = _train(callback, fp8=False, dropout=0.5, module_class=DropoutProbe)
+    _, model = _train_te(callback, fp8=False, dropout=0.5, module=DropoutProbe)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert callback.report.replays == (STEPS - WARMUP) * SMALL["n_layer"] + 2  # the probe's two calls replayed
     first, second = model.probes
@@ -110,10 +100,10 @@ class _ScalingProbe(pl.Callback):
 
 
 def test_te_fp8_delayed_scaling_tracks_eager_and_keeps_updating():
-    eager, _ = _train(None, fp8=True)
+    eager, _ = _train_te(None, fp8=True)
     callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
     probe = _ScalingProbe()
-    graphed, _ = _train(callback, fp8=True, probe=probe)
+    graphed, _ = _train_te(callback, fp8=True, probe=probe)
     report = callback.report
     assert report.stage == Stage.REPLAYING, report.reason
     assert all(torch.isfinite(torch.tensor(graphed)))
@@ -155,11 +145,11 @@ def test_te_fp8_weights_quantized_once_per_accumulation_window():
 
     def graphed_run(probe):
         callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
-        losses, _ = _train(callback, fp8=True, probe=probe, accumulate=accumulate)
+        losses, _ = _train_te(callback, fp8=True, probe=probe, accumulate=accumulate)
         return losses, callback.report
 
-    eager, _ = _train(None, fp8=True, accumulate=accumulate)
-    eager_zeroed, _ = _train(None, fp8=True, probe=_FC1ZeroedOnSecondMicrobatches(start), accumulate=accumulate)
+    eager, _ = _train_te(None, fp8=True, accumulate=accumulate)
+    eager_zeroed, _ = _train_te(None, fp8=True, probe=_FC1ZeroedOnSecondMicrobatches(start), accumulate=accumulate)
     graphed, report = graphed_run(None)
     graphed_zeroed, _ = graphed_run(_FC1ZeroedOnSecondMicrobatches(start))
 
@@ -183,7 +173,7 @@ def test_te_release_frees_memory_after_an_exception():
     def failed():
         callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=WARMUP)
         with pytest.raises(RuntimeError, match="boom"):
-            _train(callback, fp8=False, probe=RaiseAtStep(8, "boom"))
+            _train_te(callback, fp8=False, probe=RaiseAtStep(8, "boom"))
         report = callback.report
         del callback
         return settled_memory(), report

@@ -15,15 +15,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch import seed_everything
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from examples.gpt import GPTModule, TokenDataModule
 from lightning_cudagraph import CUDAGraphCallback, Stage
+from tests.helpers import cpu_trainer
+from tests.models import TINY, TINY_DATA, decoder
 
-TINY_MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "width": 32, "heads": 2}
-TINY_DATA = {"vocab_size": 64, "seq_len": 16, "batch_size": 4, "train_samples": 64}
 MAX_STEPS, LOG_EVERY = 6, 2
 
 #: Metrics that are measured on every machine, so they must be logged on a CPU too.
@@ -42,25 +40,12 @@ History = dict[str, list[tuple[int, float]]]
 
 
 def fit_with(tmp_path: Path, logger: Logger | list[Logger] | bool, **kwargs: Any) -> tuple[pl.Trainer, Any]:
-    seed_everything(0, verbose=False)
-    model = GPTModule(**TINY_MODEL)
+    model, data = decoder(TINY, **TINY_DATA)
     callback = CUDAGraphCallback()
-    options = {
-        "accelerator": "cpu",
-        "max_steps": MAX_STEPS,
-        "log_every_n_steps": LOG_EVERY,
-        "logger": logger,
-        "callbacks": [callback],
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    trainer = pl.Trainer(**options)
-    trainer.fit(model, datamodule=TokenDataModule(**TINY_DATA))
+    trainer = cpu_trainer(
+        tmp_path, MAX_STEPS, [callback], **{"log_every_n_steps": LOG_EVERY, "logger": logger, **kwargs}
+    )
+    trainer.fit(model, datamodule=data)
     return trainer, callback
 
 

@@ -10,23 +10,21 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed
-from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_cudagraph
-from examples.gpt import GPTModule, TokenDataModule
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
+from tests.helpers import cpu_trainer, graph_callbacks
+from tests.models import TINY, TINY_DATA, DecoderModule, TokenData, decoder
 
-TINY_MODEL = {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "width": 32, "heads": 2}
-TINY_DATA = {"vocab_size": 64, "seq_len": 16, "batch_size": 4, "train_samples": 64}
+MAX_STEPS = 3
 
 # name -> (class, scope, warmup_steps), as DESIGN.md registers them.
 REGISTERED = {
@@ -40,36 +38,6 @@ REGISTERED = {
     "ddp_cudagraph_full": (DDPCUDAGraphStrategy, ("full_iteration",), 11),
 }
 NAMES = list(REGISTERED)
-
-
-def tiny_gpt() -> GPTModule:
-    seed_everything(0, verbose=False)
-    return GPTModule(**TINY_MODEL)
-
-
-def tiny_data() -> TokenDataModule:
-    return TokenDataModule(**TINY_DATA)
-
-
-def make_trainer(tmp_path: Any, **kwargs: Any) -> pl.Trainer:
-    options = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 3,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "logger": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return pl.Trainer(**options)
-
-
-def graph_callbacks(trainer: pl.Trainer) -> list[CUDAGraphCallback]:
-    return [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
 
 
 # =================================================================== registry and Trainer flags
@@ -89,7 +57,7 @@ def test_name_is_registered(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_name_builds_trainer_on_cpu(tmp_path, name):
     cls, scope, warmup_steps = REGISTERED[name]
-    trainer = make_trainer(tmp_path, strategy=name)
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, strategy=name)
 
     assert type(trainer.strategy) is cls
     assert trainer.strategy.cudagraph_config.scope == scope
@@ -99,9 +67,9 @@ def test_name_builds_trainer_on_cpu(tmp_path, name):
 
 
 def test_strategy_adds_exactly_one_callback_and_reuses_it_on_refit(tmp_path):
-    model = tiny_gpt()
-    trainer = make_trainer(tmp_path, strategy="cudagraph_attn")
-    trainer.fit(model, datamodule=tiny_data())
+    model, data = decoder(TINY, **TINY_DATA)
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, strategy="cudagraph_attn")
+    trainer.fit(model, datamodule=data)
 
     added = graph_callbacks(trainer)
     assert len(added) == 1
@@ -111,19 +79,19 @@ def test_strategy_adds_exactly_one_callback_and_reuses_it_on_refit(tmp_path):
     assert (callback.report.stage, callback.report.reason) == (Stage.DISABLED, "no_cuda")
 
     trainer.fit_loop.epoch_loop.max_steps = 5
-    trainer.fit(model, datamodule=tiny_data())
+    trainer.fit(model, datamodule=data)
     assert trainer.global_step == 5
     assert graph_callbacks(trainer) == [callback], "a second fit must not add a second callback"
 
 
 @pytest.mark.parametrize("name", ["cudagraph", "cudagraph_attn_mlp"])
 def test_strategy_uses_the_users_callback(tmp_path, name):
-    model = tiny_gpt()
+    model, data = decoder(TINY, **TINY_DATA)
     callback = CUDAGraphCallback(scope=["mlp"], warmup_steps=2)
-    trainer = make_trainer(tmp_path, strategy=name, callbacks=[callback])
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, [callback], strategy=name)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, datamodule=tiny_data())
+        trainer.fit(model, datamodule=data)
 
     assert graph_callbacks(trainer) == [callback]
     assert trainer.strategy.rollout is callback.rollout
@@ -150,8 +118,8 @@ def test_checkpoint_callbacks_stay_last(tmp_path, options):
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     options = options()
     callbacks = [*options.pop("callbacks", []), checkpoint]
-    trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, **options)
-    trainer.fit(tiny_gpt(), datamodule=tiny_data())
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, callbacks, enable_checkpointing=True, **options)
+    trainer.fit(*decoder(TINY, **TINY_DATA))
 
     order = [type(cb).__name__ for cb in trainer.callbacks]
     assert len(graph_callbacks(trainer)) == 1
@@ -160,7 +128,9 @@ def test_checkpoint_callbacks_stay_last(tmp_path, options):
 
 # =================================================================== LightningCLI
 CLI_TINY = [
-    *(f"--model.{key}={value}" for key, value in TINY_MODEL.items()),
+    *(f"--model.{key}={value}" for key, value in TINY.items()),
+    f"--data.vocab_size={TINY['vocab_size']}",
+    f"--data.seq_len={TINY['seq_len']}",
     *(f"--data.{key}={value}" for key, value in TINY_DATA.items()),
     "--trainer.logger=false",
     "--trainer.enable_checkpointing=false",
@@ -194,7 +164,7 @@ CLI_CASES = {
 def build_cli(tmp_path: Path, flags: list[str], monkeypatch: pytest.MonkeyPatch) -> LightningCLI:
     monkeypatch.setattr("sys.argv", ["gpt.py"])  # only `args` reach the parser, not pytest's own arguments
     args = [*CLI_TINY, f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu", *flags]
-    return LightningCLI(GPTModule, TokenDataModule, run=False, args=args)
+    return LightningCLI(DecoderModule, TokenData, run=False, args=args)
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
@@ -211,7 +181,7 @@ def test_cli_flags_reach_strategy_and_callback(tmp_path, monkeypatch, case):
         assert len(callbacks) == 1
         assert callbacks[0].config.scope == scope
         assert callbacks[0].config.warmup_steps == warmup_steps
-    assert cli.model.hparams.n_layer == TINY_MODEL["n_layer"]
+    assert cli.model.hparams.n_layer == TINY["n_layer"]
 
 
 @pytest.mark.parametrize("case", ["strategy-class", "callback"])
@@ -258,11 +228,11 @@ def test_ddp_spawn_two_cpu_processes_train_eagerly(tmp_path):
     of the only DDP check that runs without a GPU. The model, data module and callbacks are module-level, so they
     pickle into the spawned processes.
     """
-    model = tiny_gpt()
+    model, data = decoder(TINY, **TINY_DATA)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     strategy = DDPCUDAGraphStrategy(start_method="spawn", process_group_backend="gloo")
-    trainer = make_trainer(tmp_path, strategy=strategy, devices=2, callbacks=[ReportToFile(str(tmp_path))])
-    trainer.fit(model, datamodule=tiny_data())
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, [ReportToFile(str(tmp_path))], strategy=strategy, devices=2)
+    trainer.fit(model, datamodule=data)
 
     assert trainer.state.finished
     assert any(not torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
