@@ -8,6 +8,8 @@ those Trainers on a CPU and check the options that reach the strategy and the ca
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -152,6 +154,16 @@ CLI_CASES = {
         ("attn", "mlp"),
         5,
     ),
+    "strategy-short-class": (
+        [
+            "--trainer.strategy=CUDAGraphStrategy",
+            "--trainer.strategy.scope=[layer]",
+            "--trainer.strategy.warmup_steps=4",
+        ],
+        CUDAGraphStrategy,
+        ("layer",),
+        4,
+    ),
     "callback": (
         ["--trainer.callbacks+=lightning_cudagraph.CUDAGraphCallback", "--trainer.callbacks.scope=[attn]"],
         None,
@@ -182,6 +194,53 @@ def test_cli_flags_reach_strategy_and_callback(tmp_path, monkeypatch, case):
         assert callbacks[0].config.scope == scope
         assert callbacks[0].config.warmup_steps == warmup_steps
     assert cli.model.hparams.n_layer == TINY["n_layer"]
+
+
+def test_cli_strategy_options_by_class_name_and_in_a_config_file(tmp_path, monkeypatch):
+    options = ["--trainer.strategy.scope=[layer]", "--trainer.strategy.max_pool_mib=512"]
+    cli = build_cli(tmp_path, ["--trainer.strategy=CUDAGraphStrategy", *options], monkeypatch)
+    assert cli.trainer.strategy.cudagraph_config.max_pool_mib == 512
+    config = tmp_path / "strategy.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_cudagraph.CUDAGraphStrategy\n"
+        "    init_args: {scope: [full_iteration], max_pool_mib: 256}\n"
+    )
+    cli = build_cli(tmp_path, [f"--config={config}"], monkeypatch)
+    assert (cli.trainer.strategy.cudagraph_config.scope, cli.trainer.strategy.cudagraph_config.max_pool_mib) == (
+        ("full_iteration",),
+        256,
+    )
+
+
+def test_cli_registered_name_takes_no_options_and_says_so(tmp_path, monkeypatch, capsys):
+    # A registered name is a string to LightningCLI; options go with the class name (README: Trainer flags).
+    with pytest.raises(SystemExit):
+        build_cli(tmp_path, ["--trainer.strategy=cudagraph_layer", "--trainer.strategy.max_pool_mib=512"], monkeypatch)
+    assert "max_pool_mib" in capsys.readouterr().err
+
+
+def test_readme_callback_command_runs_without_a_conflict_warning():
+    command = [
+        sys.executable,
+        "examples/gpt.py",
+        "fit",
+        "--config=examples/gpt_small.yaml",
+        "--trainer.strategy=auto",
+        "--trainer.callbacks+=lightning_cudagraph.CUDAGraphCallback",
+        "--trainer.callbacks.scope=[attn]",
+        "--trainer.max_steps=2",
+        "--trainer.accelerator=cpu",
+        "--trainer.logger=false",
+        "--trainer.limit_val_batches=0",
+        *(f"--model.{key}={value}" for key, value in TINY.items()),
+        f"--data.vocab_size={TINY['vocab_size']}",
+        f"--data.seq_len={TINY['seq_len']}",
+        "--data.train_samples=16",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "no_cuda" in result.stderr
+    assert "given both as a callback and through the strategy" not in result.stderr
 
 
 @pytest.mark.parametrize("case", ["strategy-class", "callback"])
