@@ -59,6 +59,8 @@ class CUDAGraphCallback(Callback):
             that the check could not tell a wrong graph from a right one); by default 1e-4 in float32, 2e-2 under
             autocast and 0.125 under FP8.
         max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
+        seal_after_steps: From this optimizer step on, the set of batch shapes is closed: a shape without graphs
+            raises, naming it and the captured shapes (``None``: never; :meth:`seal` closes it by hand).
 
     Raises:
         ValueError: On an option or combination that cannot work, naming the value, what is allowed and the fix.
@@ -85,6 +87,10 @@ class CUDAGraphCallback(Callback):
         if config.enabled:
             ensure_graph_safe_allocator(self.component)
         self.rollout = Rollout(config, self.component)
+
+    def seal(self) -> None:
+        """Close the set of batch shapes now: from the next step on, a shape without graphs raises."""
+        self.rollout.seal()
 
     @property
     def report(self) -> CUDAGraphReport:

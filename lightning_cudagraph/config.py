@@ -70,6 +70,7 @@ class CUDAGraphConfig:
     confirm_steps: int = 2
     parity_tol: float | None = None
     max_pool_mib: float | None = None
+    seal_after_steps: int | None = None
 
     @classmethod
     def from_options(cls, component: str, **options: Any) -> CUDAGraphConfig:
@@ -121,6 +122,8 @@ class CUDAGraphConfig:
         _check_int(component, "warmup_steps", self.warmup_steps, 0, "pass a count of eager steps, e.g. 3")
         _check_int(component, "confirm_steps", self.confirm_steps, 1, "pass at least 1")
         _check_positive(component, "max_pool_mib", self.max_pool_mib, "pass a budget in MiB, or None for no limit")
+        if self.seal_after_steps is not None:
+            _check_int(component, "seal_after_steps", self.seal_after_steps, 1, "pass an optimizer step, or None")
         self._validate_parity_tol(component)
         self._validate_max_graphs(component)
         self._validate_scope(component)

@@ -44,7 +44,11 @@ class CUDAGraphReport:
         fallback_reasons: ``fallbacks`` broken down by reason.
         rollbacks: Times the rollout gave graphs up and returned to eager.
         rollback_reasons: The reason of each rollback, in order.
-        captures: Graph sets captured (one per input signature).
+        captures: Graph sets captured (one per input signature; a shape captured again after eviction counts again).
+        evictions: Graph sets evicted from the per-shape cache (``max_graphs``) to make room for another shape.
+        steps_replayed: Training steps since the first capture that ran on graphs.
+        steps_eager: Training steps since the first capture that ran eagerly (a shape without graphs yet, a
+            fallback, its own warmup).
         capture_ms: Host time of the last capture, warmup included.
         pool_mib: Memory held by the graphs' shared pool.
         step_ms: Median step time over the last log interval.
@@ -65,6 +69,9 @@ class CUDAGraphReport:
     rollbacks: int = 0
     rollback_reasons: list[str] = field(default_factory=list)
     captures: int = 0
+    evictions: int = 0
+    steps_replayed: int = 0
+    steps_eager: int = 0
     capture_ms: float = math.nan
     pool_mib: float = 0.0
     step_ms: float = math.nan
@@ -80,6 +87,12 @@ class CUDAGraphReport:
             return math.nan
         return self.eager_step_ms / self.step_ms
 
+    @property
+    def hit_rate(self) -> float:
+        """Share of the steps since the first capture that ran on graphs (``nan`` before)."""
+        total = self.steps_replayed + self.steps_eager
+        return self.steps_replayed / total if total else math.nan
+
     def count_fallback(self, reason: str, count: int = 1) -> None:
         """Count calls or steps that ran eagerly although graphs were in use."""
         self.fallbacks += count
@@ -93,6 +106,8 @@ class CUDAGraphReport:
             "replays": float(self.replays),
             "fallbacks": float(self.fallbacks),
             "rollbacks": float(self.rollbacks),
+            "evictions": float(self.evictions),
+            "hit_rate": self.hit_rate,
             "capture_ms": self.capture_ms,
             "pool_mib": self.pool_mib,
             "step_ms": self.step_ms,
@@ -111,6 +126,7 @@ class CUDAGraphReport:
             "rollbacks": self.rollbacks,
             "rollback_reasons": list(self.rollback_reasons),
             "captures": self.captures,
+            "evictions": self.evictions,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -121,6 +137,7 @@ class CUDAGraphReport:
         self.rollbacks = int(state.get("rollbacks", 0))
         self.rollback_reasons = list(state.get("rollback_reasons", []))
         self.captures = int(state.get("captures", 0))
+        self.evictions = int(state.get("evictions", 0))
 
 
 class StepTimer:

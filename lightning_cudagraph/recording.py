@@ -1,8 +1,9 @@
-"""Eager stabilization: what each target was called with during warmup, and whether that is stable enough.
+"""Eager stabilization: what each target was called with during eager steps, per batch shape, and whether it is stable.
 
 During eager steps every call of a target is recorded (its :class:`~lightning_cudagraph.signature.CallSignature`
-and its position in the step). On the steps right before a capture the inputs are also kept, as detached copies,
-to serve as the capture's sample inputs: real data, so a capture never feeds a module values it would not see.
+and its position in the step), separately for each batch shape: every shape gets its own stabilization. The inputs
+of a shape's latest step are kept, as detached copies, to serve as its capture's sample inputs: real data, so a
+capture never feeds a module values it would not see.
 """
 
 from __future__ import annotations
@@ -63,20 +64,29 @@ class WarmupRecorder:
         >>> layer = nn.Linear(4, 4)
         >>> recorder = WarmupRecorder([Target("layer", layer, "layer")])
         >>> for rows in (8, 8, 5):
-        ...     recorder.begin_step(batch=(), keep_samples=False)
+        ...     recorder.begin_step(batch=("same batch shape",), keep_samples=False)
         ...     x = torch.ones(rows, 4)
         ...     recorder.record(0, (x,), {})
         ...     recorder.end_step()
-        >>> print(recorder.plan(set()).unstable)
+        >>> print(recorder.plan(set(), batch=("same batch shape",)).unstable)
         layer: input 0: float32[8, 4] -> float32[5, 4]
     """
 
     def __init__(self, targets: Sequence[Target], history: int = 8) -> None:
         self._targets = list(targets)
         self._history = history
-        self.steps: list[StepRecord] = []
+        self._by_batch: dict[tuple[Any, ...], list[StepRecord]] = {}
         self._current: StepRecord | None = None
         self._keep_samples = False
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """Every recorded step still held, all batch shapes."""
+        return [record for records in self._by_batch.values() for record in records]
+
+    def recorded_steps(self, batch: tuple[Any, ...]) -> int:
+        """How many eager steps of this batch shape are recorded."""
+        return len(self._by_batch.get(batch, ()))
 
     def begin_step(self, batch: tuple[Any, ...], keep_samples: bool) -> None:
         """Start recording a step whose batch has the given key."""
@@ -93,14 +103,27 @@ class WarmupRecorder:
             self._current.samples[index] = [_sample_of(t) for t in distinct_tensors(signature, args, kwargs)]
 
     def end_step(self) -> None:
-        """Close the step (a step with no target call is still kept: it says the targets did not run)."""
-        if self._current is not None:
-            self.steps = [*self.steps[-(self._history - 1) :], self._current]
-        self._current = None
+        """Close the step (a step with no target call is still kept: it says the targets did not run).
+
+        Only the shape's latest samples are kept: they are what its capture will use.
+        """
+        current, self._current = self._current, None
+        if current is None:
+            return
+        records = self._by_batch.setdefault(current.batch, [])
+        if current.samples:
+            for record in records:
+                record.samples = {}
+        records.append(current)
+        del records[: -self._history]
+
+    def forget(self, batch: tuple[Any, ...]) -> None:
+        """Forget the steps of one batch shape (captured: its samples are no longer needed)."""
+        self._by_batch.pop(batch, None)
 
     def clear(self) -> None:
         """Forget every recorded step (their sample inputs hold device memory)."""
-        self.steps = []
+        self._by_batch = {}
         self._current = None
 
     def discard_step(self) -> None:
@@ -109,16 +132,16 @@ class WarmupRecorder:
 
     def last_step_for(self, batch: tuple[Any, ...]) -> StepRecord | None:
         """The most recent recorded step with samples whose batch had this key."""
-        return next((s for s in reversed(self.steps) if s.batch == batch and s.samples), None)
+        return next((s for s in reversed(self._by_batch.get(batch, [])) if s.samples), None)
 
-    def plan(self, excluded: set[int], batch: tuple[Any, ...] | None = None) -> CapturePlan:
-        """Decide what to capture from the recorded steps (all of them, or those with ``batch``'s key).
+    def plan(self, excluded: set[int], batch: tuple[Any, ...]) -> CapturePlan:
+        """Decide what to capture for batches of shape ``batch`` from that shape's recorded steps.
 
         A target must have one signature across the steps and run once per step; a target that did not run in
         the last step, ran more than once, or ran without grad is left eager (``skipped``); any other change of
         signature makes the whole step unstable (``unstable`` names the module and the change).
         """
-        steps = [s for s in self.steps if batch is None or s.batch == batch]
+        steps = self._by_batch.get(batch, [])
         plan = CapturePlan()
         if not steps:
             plan.unstable = "no eager step was recorded"

@@ -52,6 +52,7 @@ class Rollout:
         self._timer = StepTimer(use_cuda=False)
         self._eager_times: list[float] = []
         self._last_logged = -1
+        self._sealed = False
 
     @property
     def stage(self) -> Stage:
@@ -105,6 +106,7 @@ class Rollout:
             return
         self._timer = self.backend.timer()
         self.driver = self._driver_for(trainer, self.backend)
+        self.driver.before_first_capture = self._note_eager_time
 
     def _driver_for(self, trainer: pl.Trainer, backend: CaptureBackend) -> Driver:
         collaborators = (self.config, self.component, backend, self.machine)
@@ -121,16 +123,15 @@ class Rollout:
         if not self.active:
             return
         self.backend.enter()
-        self.machine.begin_warmup(trainer.global_step, self.config.eager_steps)
         self.driver.start(trainer)
 
     # ------------------------------------------------------------------ training batches
     def batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
         """Scoped graphs: decide what this batch does with the targets. Then start its timer."""
+        if self.active:
+            self._seal_when_due(trainer.global_step)
         if self.active and isinstance(self.driver, ScopedDriver):
-            step = trainer.global_step
-            self._note_eager_time_if_capture_due(step)
-            self.driver.begin_step(step, batch_key(batch), trainer.accumulate_grad_batches > 1)
+            self.driver.begin_step(trainer.global_step, batch_key(batch), trainer.accumulate_grad_batches > 1)
         self._timer.start()
 
     def batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any) -> None:
@@ -140,8 +141,6 @@ class Rollout:
             self.driver.end_step(outputs)
             if self.machine.stage == Stage.WARMUP:
                 self.machine.warmup_losses.observe(outputs)
-            if self.machine.confirmation_due(trainer.global_step):
-                self.driver.finish_confirmation()
         self._maybe_log(trainer, module)
 
     def abandon_step(self) -> None:
@@ -156,7 +155,7 @@ class Rollout:
             return batch
         if not trainer.training or trainer.sanity_checking:
             return batch
-        self._note_eager_time_if_capture_due(trainer.global_step)
+        self._seal_when_due(trainer.global_step)
         return self.driver.plan(trainer.global_step, batch)
 
     def run_full_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
@@ -175,6 +174,18 @@ class Rollout:
         """Whether the strategy's hooks are running inside a whole-step capture."""
         return isinstance(self.driver, FullStepDriver) and self.driver.capturing
 
+    # ------------------------------------------------------------------ shapes
+    def seal(self) -> None:
+        """Close the set of batch shapes: a shape without graphs raises from now on (``seal_after_steps``)."""
+        if self.active and not self._sealed:
+            self._sealed = True
+            self.driver.seal()
+            rank_zero_info(f"{self.component}: the set of batch shapes is sealed; another shape raises")
+
+    def _seal_when_due(self, step: int) -> None:
+        if self.config.seal_after_steps is not None and step >= self.config.seal_after_steps:
+            self.seal()
+
     # ------------------------------------------------------------------ stage 7: release, checkpoints
     def release(self) -> None:
         """Free every graph and restore everything patched (idempotent; called on every exit path)."""
@@ -191,11 +202,11 @@ class Rollout:
             self.driver.save_checkpoint(trainer.optimizers, checkpoint)
 
     # ------------------------------------------------------------------ timing and logging
-    def _note_eager_time_if_capture_due(self, step: int) -> None:
-        if self.machine.capture_due(step):
-            self._eager_times.extend(self._timer.read())
-            times = self._eager_times[1:] if len(self._eager_times) > 1 else self._eager_times
-            self.report.eager_step_ms = median(times)
+    def _note_eager_time(self) -> None:
+        """Right before the first capture: the eager step times so far (one host sync, at capture)."""
+        self._eager_times.extend(self._timer.read())
+        times = self._eager_times[1:] if len(self._eager_times) > 1 else self._eager_times
+        self.report.eager_step_ms = median(times)
 
     def _maybe_log(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -203,7 +214,7 @@ class Rollout:
             return
         self._last_logged = step
         if self.driver is not None:
-            self.driver.check_nonfinite(step)
+            self.driver.health_check(step)
         self.flush(trainer, step)
         if trainer.progress_bar_callback is not None:
             bar = {"cudagraph/stage": float(self.stage)}

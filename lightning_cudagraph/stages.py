@@ -47,10 +47,11 @@ class LossWatch:
 class StageMachine:
     """Stages of one fit and their transitions (see :class:`~lightning_cudagraph.Stage`).
 
-    ``WARMUP`` (preflight, then eager stabilization) -> ``CONFIRMING`` (first replays, checked) -> ``REPLAYING``;
-    from any of them to ``DISABLED``, by :meth:`disable` (graphs were never right for this fit) or :meth:`rollback`
-    (a check failed: counted, and raised instead under ``on_failure="raise"``). Both release everything through the
-    ``release`` callable first.
+    ``WARMUP`` (preflight, then eager stabilization until the first capture) -> ``CONFIRMING`` (the first captured
+    shape's replays, checked) -> ``REPLAYING``; from any of them to ``DISABLED``, by :meth:`disable` (graphs were
+    never right for this fit) or :meth:`rollback` (a check failed: counted, and raised instead under
+    ``on_failure="raise"``). Both release everything through the ``release`` callable first. Shapes captured later
+    are confirmed by their driver while the fit stays ``REPLAYING``.
 
     Args:
         report: Written on every transition (stage, reason, rollbacks).
@@ -61,9 +62,8 @@ class StageMachine:
     Example:
         >>> from lightning_cudagraph.health import CUDAGraphReport
         >>> machine = StageMachine(CUDAGraphReport(), "CUDAGraphCallback", "eager", release=lambda: None)
-        >>> machine.begin_warmup(step=0, eager_steps=3)
-        >>> machine.capture_due(step=2), machine.capture_due(step=3)
-        (False, True)
+        >>> machine.begin_confirmation(); machine.confirm(graphs=2); machine.stage
+        <Stage.REPLAYING: 2>
     """
 
     def __init__(self, report: CUDAGraphReport, component: str, on_failure: str, release: Callable[[], None]) -> None:
@@ -71,8 +71,6 @@ class StageMachine:
         self.component = component
         self.on_failure = on_failure
         self._release = release
-        self._capture_step = 0
-        self._confirm_until = 0
         self.warmup_losses = LossWatch()
         self.confirm_losses = LossWatch()
         self._write(Stage.WARMUP)
@@ -88,23 +86,6 @@ class StageMachine:
         return self._stage != Stage.DISABLED
 
     # ------------------------------------------------------------------ stage 2: eager stabilization
-    def begin_warmup(self, step: int, eager_steps: int) -> None:
-        """Start eager stabilization: capture becomes due ``eager_steps`` optimizer steps after ``step``."""
-        self._capture_step = step + eager_steps
-        self._write(Stage.WARMUP)
-
-    def recording_due(self, step: int) -> bool:
-        """Whether this step runs eagerly to record input signatures."""
-        return self._stage == Stage.WARMUP and step < self._capture_step
-
-    def keep_samples_due(self, step: int) -> bool:
-        """Whether this warmup step keeps its inputs (the last one before capture: real data for the capture)."""
-        return step >= self._capture_step - 1
-
-    def capture_due(self, step: int) -> bool:
-        """Whether warmup is over and the first capture should happen at this step."""
-        return self._stage == Stage.WARMUP and step >= self._capture_step
-
     def warmup_was_finite(self) -> bool:
         """The decision that ends warmup (one host sync): were the eager losses finite? If not, stay eager."""
         if not self.warmup_losses.any_nonfinite():
@@ -117,15 +98,10 @@ class StageMachine:
         return False
 
     # ------------------------------------------------------------------ stage 5: replay confirmation
-    def begin_confirmation(self, step: int, confirm_steps: int) -> None:
-        """Graphs were captured at ``step``: check the next ``confirm_steps`` steps before trusting them."""
-        self._confirm_until = step + confirm_steps
+    def begin_confirmation(self) -> None:
+        """The first graphs were captured: their driver checks the next steps before they are trusted."""
         self.confirm_losses = LossWatch()
         self._write(Stage.CONFIRMING)
-
-    def confirmation_due(self, step: int) -> bool:
-        """Whether the confirmation window is over at ``step``."""
-        return self._stage == Stage.CONFIRMING and step >= self._confirm_until
 
     def confirm(self, graphs: int, nonfinite_first_step: int | None = None) -> None:
         """End confirmation (one host sync for the losses): replay from now on, or roll back."""

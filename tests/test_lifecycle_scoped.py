@@ -154,16 +154,40 @@ def test_a_nonfinite_warmup_loss_keeps_graphs_off():
     assert_released(run.model, backend)
 
 
-def test_shapes_that_move_during_warmup_keep_graphs_off_and_say_which():
+class _TruncatesOnOddSteps(DecoderModule):
+    """Drops the last position on odd steps: the layers' inputs move although the batch shape does not."""
+
+    def forward(self, idx):
+        return super().forward(idx[:, : idx.shape[1] - self.trainer.global_step % 2])
+
+    def loss(self, batch):
+        x, y = batch
+        logits = self(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[:, : logits.shape[1]].flatten())
+
+
+def test_inputs_that_move_within_one_batch_shape_keep_graphs_off_and_say_which():
     backend = FakeBackend()
     callback = graphed(backend)
     with pytest.warns(UserWarning, match="input signatures moved during warmup"):
-        run = fit(decoder(TINY)[0], batches_of_sizes([4, 3, 4, 4, 4]), 5, [callback], **CPU)
+        run = fit(*decoder(TINY, module=_TruncatesOnOddSteps), 5, [callback], **CPU)
     reason = callback.report.reason
-    assert reason.startswith("shape_unstable: model.blocks.0: input 0: float32[4, 16, 32]"), reason
-    assert "-> float32[3, 16, 32]" in reason
+    assert reason.startswith("shape_unstable: model.blocks.0: input 0: float32[8, 16, 32]"), reason
+    assert "-> float32[8, 15, 32]" in reason
     assert callback.report.captures == 0
     assert_released(run.model, backend)
+
+
+def test_shapes_that_rotate_from_the_start_each_get_their_own_warmup_and_graphs():
+    callback = graphed(on_shape_change="recapture")
+    sizes = [4, 3] * 8
+    run = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), [callback], **CPU)
+    report = callback.report
+    assert (report.stage, report.captures, report.rollbacks, report.evictions) == (Stage.REPLAYING, 2, 0, 0)
+    # Each shape records its own WARMUP steps (they alternate), then each replays from its capture on.
+    assert report.steps_replayed == len(sizes) - 2 * WARMUP
+    eager = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), **CPU)
+    assert_losses_close(eager.losses, run.losses, 1e-6)
 
 
 def test_a_batch_of_another_shape_falls_back_for_that_step_and_is_counted():
@@ -178,15 +202,45 @@ def test_a_batch_of_another_shape_falls_back_for_that_step_and_is_counted():
     assert_losses_close(eager.losses, run.losses, 1e-6)
 
 
-def test_recapture_keeps_at_most_max_graphs_graph_sets():
-    callback = graphed(on_shape_change="recapture", max_graphs=2)
+def test_the_shape_cache_evicts_the_least_recently_used_and_captures_it_again():
+    backend = FakeBackend()
+    callback, probe = graphed(backend, on_shape_change="recapture", max_graphs=2), Probe(backend)
     sizes = [4] * (WARMUP + 2) + [3, 2, 4] * 3  # three shapes, the cache holds two
-    fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), [callback], **CPU)
+    run = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), [callback, probe], **CPU)
     report = callback.report
-    assert report.captures == 2, "one graph set per shape, up to max_graphs"
     assert report.stage == Stage.REPLAYING
-    shape_two = [reason for reason in report.fallback_reasons if "int64[2, 16]" in reason]
-    assert shape_two and sum(report.fallback_reasons[r] for r in shape_two) == 3 * LAYERS
+    assert max(backend.live_graphs for backend in [backend]) == 0  # all released at fit end
+    assert report.captures == 4 and report.evictions == 2, (report.captures, report.evictions)
+    assert report.fallbacks == 3 * LAYERS, "each new or evicted shape runs one eager step of its own, counted"
+    eager = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), **CPU)
+    assert_losses_close(eager.losses, run.losses, 1e-6)
+
+
+def test_a_sealed_set_of_shapes_raises_on_a_new_shape_and_names_the_captured_ones():
+    sizes = [4] * (WARMUP + 3) + [3]
+    callback = graphed(on_shape_change="recapture", seal_after_steps=WARMUP + 2)
+    with pytest.raises(RuntimeError, match=r"batch shape \[int64\[3, 16\].*sealed \(captured: \[int64\[4, 16\]"):
+        fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), [callback], **CPU)
+
+
+class _RebindAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            weight = pl_module.model.blocks[1].attn.qkv.weight
+            weight.data = weight.data.clone()
+
+
+def test_a_parameter_rebound_after_confirmation_rolls_back_at_the_next_log_interval():
+    backend = FakeBackend()
+    callback = graphed(backend)
+    with pytest.warns(UserWarning, match="rolled back to eager training: address_changed: model.blocks.1.attn.qkv"):
+        run = fit(*decoder(TINY), 12, [callback, _RebindAt(WARMUP + 4)], log_every_n_steps=2, **CPU)
+    assert callback.report.rollbacks == 1 and callback.report.stage == Stage.DISABLED
+    assert callback.report.steps_replayed >= 3, "the graphs were confirmed and replaying before the rebind"
+    assert_released(run.model, backend)
 
 
 def test_on_shape_change_error_raises_with_both_shapes():

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 
 from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.stages import StageMachine
@@ -39,6 +41,17 @@ class Driver(ABC):
     def __init__(self, config: CUDAGraphConfig, component: str, backend: CaptureBackend, machine: StageMachine) -> None:
         self.config, self.component, self.backend, self.machine = config, component, backend, machine
         self.report: CUDAGraphReport = machine.report
+        #: Called once, right before the first capture (the rollout reads the eager step times there).
+        self.before_first_capture: Callable[[], None] = lambda: None
+        #: Whether this fit has captured anything yet (the report's counters may come from a checkpoint).
+        self.captured_any = False
+
+    def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
+        return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)
+
+    def _before_first_capture(self) -> None:
+        if not self.captured_any:
+            self.before_first_capture()
 
     @abstractmethod
     def start(self, trainer: pl.Trainer) -> None:
@@ -49,8 +62,12 @@ class Driver(ABC):
         """A training batch ended: close it and weigh what confirmation saw in it."""
 
     @abstractmethod
-    def finish_confirmation(self) -> None:
-        """The confirmation window is over: confirm, wait for a graphed step, or roll back."""
+    def census(self) -> str | None:
+        """Why a captured graph no longer reads the module's current tensors, or ``None`` (host-side, no sync)."""
+
+    @abstractmethod
+    def seal(self) -> None:
+        """Close the set of batch shapes: from now on a shape without graphs is an error."""
 
     @abstractmethod
     def release(self) -> None:
@@ -59,8 +76,11 @@ class Driver(ABC):
     def abandon_step(self) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """A training batch never reached its end (``on_train_batch_start`` returned -1)."""
 
-    def check_nonfinite(self, step: int) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
-        """Once per log interval: read non-finite counters the graphs keep (one host sync), if any."""
+    def health_check(self, step: int) -> None:
+        """Once per log interval: parameters and buffers still where the graphs read them, else roll back."""
+        problem = self.census() if self.machine.graphs_allowed else None
+        if problem is not None:
+            self.machine.rollback(problem)
 
     def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """Keep the checkpoint free of the package's state."""
@@ -73,6 +93,7 @@ class Driver(ABC):
     def _captured(self, started: float, graphs: int) -> bool:
         """Count a capture and its memory; roll back if the pool is over budget. Returns whether to go on."""
         self.report.captures += 1
+        self.captured_any = True
         self.report.graphs = graphs
         self.report.capture_ms = (time.perf_counter() - started) * 1e3
         self.report.pool_mib = self.backend.pool_mib()
@@ -81,6 +102,10 @@ class Driver(ABC):
             self.machine.rollback(f"memory_budget: graphs hold {self.report.pool_mib:.1f} MiB > {budget} MiB")
             return False
         return True
+
+    def _eager_steps_needed(self) -> int:
+        """Eager steps a batch shape runs before its capture: ``warmup_steps`` for the first, one for later ones."""
+        return 1 if self.captured_any else self.config.eager_steps
 
     def _note_memory_before_capture(self) -> None:
         if self.report.memory_before_capture is None:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_cudagraph._lightning import logs_recorded, relog, set_closure_result, step_loss
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
 from lightning_cudagraph.drivers.evidence import MetricUpdates, TrainableWatch, state_addresses
+from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.drivers.whole_step import NonFiniteFlags, WholeStep
 from lightning_cudagraph.graphs.backend import PreparedOptimizer
 from lightning_cudagraph.health import Stage
@@ -37,9 +38,10 @@ class EagerStep:
 
 @dataclass(frozen=True)
 class CaptureStep:
-    """Capture the step for this batch signature, then replay it."""
+    """Capture the step for this batch signature (its batch is the graph's static batch), then replay it."""
 
     key: tuple[Any, ...]
+    whole: WholeStep
 
 
 @dataclass(frozen=True)
@@ -58,19 +60,21 @@ class FullStepDriver(Driver):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.steps: dict[tuple[Any, ...], WholeStep] = {}
+        self.steps: ShapeCache[WholeStep] = self._shape_cache(WholeStep.reset)
         self.optimizers: dict[int, PreparedOptimizer] = {}
         self.flags = NonFiniteFlags(self.backend.device)
         self.trainable = TrainableWatch()
+        self._module: pl.LightningModule | None = None
         self._plan: StepPlan | None = None
         self._capturing: WholeStep | None = None
-        self._seen: set[tuple[Any, ...]] = set()
+        self._first: WholeStep | None = None
+        self._sightings: dict[tuple[Any, ...], int] = {}
         self._problem: str | None = None
-        self._replays_since_capture = 0
         self._last_nonfinite_check = 0
 
     def start(self, trainer: pl.Trainer) -> None:
         """Switch optimizers to their capturable form for the whole fit, so their arithmetic never changes mid-run."""
+        self._module = trainer.lightning_module
         self._last_nonfinite_check = trainer.global_step
         for optimizer in trainer.optimizers:
             self._prepare(optimizer)
@@ -83,29 +87,32 @@ class FullStepDriver(Driver):
     def plan(self, step: int, batch: Any) -> Any:
         """Decide what the next optimizer step does, and return the batch it should use (static buffers to replay)."""
         self._plan = None
-        if not self.machine.graphs_allowed or self.machine.recording_due(step):
+        if not self.machine.graphs_allowed:
             return batch
         key = batch_key(batch)
-        if self.machine.capture_due(step):
-            return self._adopt(key, batch) if self.machine.warmup_was_finite() else batch
-        if key in self.steps:
+        whole = self.steps.get(key)
+        if whole is not None:
             self._plan = ReplayStep(key)
-            return self.steps[key].stage(batch)
-        captured = ", ".join(describe_batch_key(k) for k in self.steps)
+            return whole.stage(batch)
+        captured = ", ".join(describe_batch_key(k) for k in self.steps.shapes())
         change = f"batch shape {describe_batch_key(key)} differs from the captured {captured}"
-        if self.config.on_shape_change == "error":
-            raise shape_change_error(self.component, change)
-        recapture = self.config.on_shape_change == "recapture" and len(self.steps) < self.config.graph_set_limit
-        if recapture and key in self._seen:  # captured on its second sighting: one-off shapes stay eager
-            return self._adopt(key, batch)
-        self._seen.add(key)
-        self._plan = EagerStep(fallback=change)
-        return batch
-
-    def _adopt(self, key: tuple[Any, ...], batch: Any) -> Any:
-        """This (already on-device) batch becomes the static buffers of the step about to be captured."""
-        self.steps[key] = WholeStep(static_batch=batch)
-        self._plan = CaptureStep(key)
+        in_use = self.machine.stage != Stage.WARMUP
+        if in_use:
+            if self.steps.sealed:
+                raise self.steps.sealed_error(key)
+            if self.config.on_shape_change == "error":
+                raise shape_change_error(self.component, change)
+            if self.config.on_shape_change == "eager":
+                self._plan = EagerStep(fallback=change)
+                return batch
+        self._sightings[key] = self._sightings.get(key, 0) + 1
+        if self._sightings[key] <= self._eager_steps_needed():  # this shape's own eager steps
+            self._plan = EagerStep(fallback=change if in_use else None)
+            return batch
+        if not in_use and not self.machine.warmup_was_finite():
+            return batch
+        # This (already on-device) batch becomes the static buffers of the step about to be captured.
+        self._plan = CaptureStep(key, WholeStep(static_batch=batch, confirm_left=self.config.confirm_steps))
         return batch
 
     # ------------------------------------------------------------------ carrying it out (``optimizer_step``)
@@ -115,28 +122,33 @@ class FullStepDriver(Driver):
         """Run the optimizer step as planned: eagerly, or captured then replayed."""
         plan, self._plan = self._plan, None
         if plan is None or isinstance(plan, EagerStep) or not self.machine.graphs_allowed:
-            if isinstance(plan, EagerStep) and plan.fallback is not None and self.machine.graphs_allowed:
-                self.report.count_fallback(plan.fallback)
+            if self.machine.graphs_allowed and self.captured_any:
+                self.report.steps_eager += 1
+                if isinstance(plan, EagerStep) and plan.fallback is not None:
+                    self.report.count_fallback(plan.fallback)
             return _eager(run_step)
         module = trainer.lightning_module
         if isinstance(plan, CaptureStep):
             first = self.machine.stage == Stage.WARMUP
-            if not self._capture(plan.key, optimizer, run_step, module):
+            if not self._capture(plan, optimizer, run_step, module):
                 return _eager(run_step)
             if first:
-                self.machine.begin_confirmation(trainer.global_step, self.config.confirm_steps)
-                self._replays_since_capture = 0
+                self._first = plan.whole
+                self.machine.begin_confirmation()
+            whole = plan.whole
         else:
             problem = self.trainable.problem()
             if problem is not None:
                 self.machine.rollback(problem)
                 return _eager(run_step)
-        return self._replay(self.steps[plan.key], trainer, closure, module)
+            whole = self.steps.get(plan.key)
+        return self._replay(whole, trainer, closure, module)
 
     def _capture(
-        self, key: tuple[Any, ...], optimizer: torch.optim.Optimizer, run_step: Callable[[], Any], module: Any
+        self, plan: CaptureStep, optimizer: torch.optim.Optimizer, run_step: Callable[[], Any], module: Any
     ) -> bool:
-        whole = self.steps[key]
+        whole = plan.whole
+        self._before_first_capture()
         self._prepare(optimizer)
         self._note_memory_before_capture()
         metrics = MetricUpdates([("", module)])
@@ -155,10 +167,11 @@ class FullStepDriver(Driver):
             with self.backend.failure_guard():
                 whole.graph = self.backend.capture_step(body)
         except Exception as err:  # roll back loudly (or raise); the step then runs eagerly
-            self.steps.pop(key, None)
             self._capture_failed(err)
             return False
         whole.addresses = state_addresses(module)
+        self.steps.add(plan.key, whole)
+        self._sightings.pop(plan.key, None)
         if not self._captured(started, len(self.steps)):
             return False
         updated = metrics.changed()
@@ -170,7 +183,7 @@ class FullStepDriver(Driver):
             )
             return False
         self.trainable.watch(module.named_parameters())
-        rank_zero_info(f"{self.component}: captured the training step for batch {describe_batch_key(key)}")
+        rank_zero_info(f"{self.component}: captured the training step for batch {describe_batch_key(plan.key)}")
         return True
 
     def _replay(self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any) -> Any:
@@ -178,13 +191,15 @@ class FullStepDriver(Driver):
             optimizer.refresh()
         self.flags.current_step.fill_(trainer.global_step)
         whole.graph.replay()
-        self._replays_since_capture += 1
         self.report.replays += 1
+        self.report.steps_replayed += 1
         output = whole.output_copy()
         set_closure_result(closure, output, trainer.accumulate_grad_batches)
         relog(module, whole.logs)
-        if self.machine.stage == Stage.CONFIRMING and state_addresses(module) != whole.addresses:
-            self._problem = "address_changed: a parameter is not the tensor the step graph was captured with"
+        if whole.confirm_left > 0:  # this shape's confirmation: the graph reads the module's current tensors
+            whole.confirm_left -= 1
+            if state_addresses(module) != whole.addresses:
+                self._problem = "address_changed: a parameter is not the tensor the step graph was captured with"
         return output
 
     @property
@@ -204,22 +219,33 @@ class FullStepDriver(Driver):
 
     # ------------------------------------------------------------------ confirmation, health, release
     def end_step(self, outputs: Any) -> None:
-        """Roll back on what a confirming replay found."""
+        """Roll back on what a confirming replay found; confirm once the first shape's checks are done."""
         problem, self._problem = self._problem, None
-        if problem is not None and self.machine.graphs_allowed:
-            self.machine.rollback(problem)
-
-    def finish_confirmation(self) -> None:
-        """Confirm if the step replayed and its losses were finite (one host sync)."""
-        if self._replays_since_capture == 0:
-            self.machine.rollback("not_replayed: no graph replayed during confirmation")
+        if not self.machine.graphs_allowed:
             return
-        count, first = self.flags.read_and_clear()
-        self.machine.confirm(graphs=self.report.graphs, nonfinite_first_step=first if count else None)
+        if problem is not None:
+            self.machine.rollback(problem)
+        elif self.machine.stage == Stage.CONFIRMING and self._first is not None and self._first.confirm_left <= 0:
+            count, first = self.flags.read_and_clear()  # the decision's one host sync
+            self.machine.confirm(graphs=self.report.graphs, nonfinite_first_step=first if count else None)
 
-    def check_nonfinite(self, step: int) -> None:
-        """Read the in-graph non-finite counter (one host sync per log interval, once a step is captured)."""
-        if not self.steps or not self.machine.graphs_allowed:
+    def seal(self) -> None:
+        """Close the set of batch shapes."""
+        self.steps.seal()
+
+    def census(self) -> str | None:
+        """Whether every captured step still reads the module's parameters and buffers (host-side, no sync)."""
+        if self._module is None or not len(self.steps):
+            return None
+        addresses = state_addresses(self._module)
+        if any(whole.addresses != addresses for whole in self.steps.values()):
+            return "address_changed: a parameter or buffer is not the tensor the step graph was captured with"
+        return None
+
+    def health_check(self, step: int) -> None:
+        """Addresses, then the in-graph non-finite counter (one host sync per log interval, once captured)."""
+        super().health_check(step)
+        if not len(self.steps) or not self.machine.graphs_allowed:
             return
         count, first = self.flags.read_and_clear()
         since, self._last_nonfinite_check = self._last_nonfinite_check, step
@@ -238,8 +264,8 @@ class FullStepDriver(Driver):
 
     def release(self) -> None:
         """Reset every step graph and give the optimizers back (the optimizers even when a reset fails)."""
-        self._plan = self._capturing = None
-        steps, self.steps = list(self.steps.values()), {}
+        self._plan = self._capturing = self._first = None
+        steps = self.steps.clear()
         try:
             for whole in steps:
                 whole.reset()

@@ -78,10 +78,13 @@ class ReplayEntry:
 
 @dataclass(eq=False)
 class GraphSet:
-    """The regions captured for one batch signature, by target index."""
+    """The regions captured for one batch signature, by target index, and how far its confirmation is."""
 
     batch: tuple[Any, ...]
     entries: dict[int, ReplayEntry]
+    confirm_left: int = 0
+    graphed_step_seen: bool = False
+    replays: int = 0
 
     def reset(self) -> None:
         """Free every region's graphs."""

@@ -19,7 +19,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
 from lightning_cudagraph.drivers.evidence import MetricUpdates, TrainableWatch
 from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, ReplayEntry, StepRoute
+from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.graphs.backend import RegionCapture
+from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.health import Stage
 from lightning_cudagraph.hooks import hooks_stashed, inner_hook_count
 from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
@@ -57,33 +59,25 @@ class ScopedDriver(Driver):
             preserved=self.backend.preserved,
         )
         self.forwards = PatchedForwards(self.targets, self.router)
-        self.graph_sets: dict[tuple[Any, ...], GraphSet] = {}
+        self.graph_sets: ShapeCache[GraphSet] = self._shape_cache(GraphSet.reset)
         self._index = {target.name: i for i, target in enumerate(self.targets)}
         self._uncapturable: set[tuple[Any, ...]] = set()
         self._autocast = False
-        self._replays_since_capture = 0
-        self._graphed_step_seen = False
+        self._microbatches = 1
 
     def start(self, trainer: pl.Trainer) -> None:
         """Patch the targets' forwards: from now on every call goes through the router."""
+        self._microbatches = trainer.accumulate_grad_batches  # warmup counts optimizer steps
         self.forwards.install()
 
     # ------------------------------------------------------------------ a training batch
     def begin_step(self, step: int, batch: tuple[Any, ...], accumulating: bool) -> None:
-        """Decide what this batch does with the targets: record, capture, replay, or fall back."""
-        if self.machine.recording_due(step):  # stage 2: eager stabilization
-            self.recorder.begin_step(batch, keep_samples=self.machine.keep_samples_due(step))
-            self.router.begin(StepRoute(recorder=self.recorder))
-            return
-        if self.machine.capture_due(step) and not self._capture_first(step):
-            return
+        """Decide what this batch does with the targets: replay, record, capture, or fall back."""
         graph_set = self.graph_sets.get(batch)
-        confirming = self.machine.stage == Stage.CONFIRMING
         if graph_set is None:
-            graph_set = self._graph_set_for_new_shape(batch)
-            confirming = True  # a newly captured shape's first step gets its parity check
+            graph_set = self._graph_set_for(batch)
         if graph_set is not None:
-            self._begin_graphed_step(graph_set, step, confirming, accumulating)
+            self._begin_graphed_step(graph_set, step, graph_set.confirm_left > 0, accumulating)
 
     def _begin_graphed_step(self, graph_set: GraphSet, step: int, confirming: bool, accumulating: bool) -> None:
         self.router.begin(StepRoute(graph_set=graph_set, confirming=confirming, accumulating=accumulating))
@@ -96,20 +90,34 @@ class ScopedDriver(Driver):
         if route.recorder is not None:
             route.recorder.end_step()
         self._after_step(route)
+        self._count_step(route)
         if not self.machine.graphs_allowed:
             return
         if route.problem is not None:
             self.machine.rollback(route.problem)
             return
-        if route.confirming and not self._confirmed(route):
+        graph_set = route.graph_set
+        if graph_set is None or not route.confirming or not self._confirmed(route):
             return
-        self._replays_since_capture += route.replays
+        graph_set.replays += route.replays
+        graph_set.graphed_step_seen |= bool(route.forward_order) and not route.parity
+        graph_set.confirm_left -= 1
         if self.machine.stage == Stage.CONFIRMING:
             self.machine.confirm_losses.observe(outputs)
-            self._graphed_step_seen |= bool(route.forward_order) and not route.parity
+            if graph_set.confirm_left <= 0:
+                self._finish_confirmation(graph_set)
 
     def _after_step(self, route: StepRoute) -> None:
         """Extension point for what a capture mode keeps per step (the FP8 weight cache)."""
+
+    def _count_step(self, route: StepRoute) -> None:
+        if not self.captured_any:
+            return
+        graphed = route.graph_set is not None and route.fallbacks == 0 and route.replays > 0
+        if graphed:
+            self.report.steps_replayed += 1
+        else:
+            self.report.steps_eager += 1
 
     def abandon_step(self) -> None:
         """Drop the batch being recorded: it never ran to its end."""
@@ -117,54 +125,60 @@ class ScopedDriver(Driver):
         if route is not None and route.recorder is not None:
             route.recorder.discard_step()
 
-    # ------------------------------------------------------------------ stages 3 and 4: fixed shapes, capture
-    def _capture_first(self, step: int) -> bool:
-        if not self.machine.warmup_was_finite():
-            return False
-        plan = self.recorder.plan(excluded=set())
-        if plan.unstable is not None:
-            self.machine.disable(
-                f"shape_unstable: {plan.unstable}", detail=f"input signatures moved during warmup: {plan.unstable}"
-            )
-            return False
-        if not plan.calls:
-            self.machine.disable("no_targets", detail=f"no target module ran in a training step: {plan.skipped}")
-            return False
-        self._note_skipped(plan.skipped)
-        if not self._capture(plan.batch, plan.calls):
-            return False
-        self.machine.begin_confirmation(step, self.config.confirm_steps)
-        self._replays_since_capture, self._graphed_step_seen = 0, False
-        self.trainable.watch((f"{t.name}.{n}", p) for t in self.targets for n, p in t.module.named_parameters())
-        return True
-
-    def _graph_set_for_new_shape(self, batch: tuple[Any, ...]) -> GraphSet | None:
-        captured = ", ".join(describe_batch_key(k) for k in self.graph_sets) or "nothing yet"
+    # ------------------------------------------------------------------ stages 2-4: stabilization, shapes, capture
+    def _graph_set_for(self, batch: tuple[Any, ...]) -> GraphSet | None:
+        """A shape without graphs: record it eagerly until stable, then capture it (or fall back, counted)."""
+        captured = ", ".join(describe_batch_key(k) for k in self.graph_sets.shapes()) or "nothing yet"
         change = f"batch shape {describe_batch_key(batch)} differs from the captured {captured}"
-        if batch in self._uncapturable:
-            self.router.begin(StepRoute(fallback_reason=f"{change}; it cannot be captured"))
-            return None
-        if self.config.on_shape_change == "error":
-            raise shape_change_error(self.component, change)
-        if self.config.on_shape_change != "recapture" or len(self.graph_sets) >= self.config.graph_set_limit:
-            self.router.begin(StepRoute(fallback_reason=change))
-            return None
-        if self.recorder.last_step_for(batch) is None:  # first sighting: record it eagerly, capture on the next
+        in_use = self.machine.stage != Stage.WARMUP  # graphs of other shapes exist: an eager step is a fallback
+        if in_use:
+            if self.graph_sets.sealed:
+                raise self.graph_sets.sealed_error(batch)
+            if self.config.on_shape_change == "error":
+                raise shape_change_error(self.component, change)
+            if self.config.on_shape_change == "eager" or batch in self._uncapturable:
+                why = "; it cannot be captured" if batch in self._uncapturable else ""
+                self.router.begin(StepRoute(fallback_reason=change + why))
+                return None
+        needed = 1 if self.captured_any else self.config.eager_steps * self._microbatches
+        if self.recorder.recorded_steps(batch) < needed:  # this shape's own stabilization
             self.recorder.begin_step(batch, keep_samples=True)
-            self.router.begin(StepRoute(recorder=self.recorder, fallback_reason=change))
+            self.router.begin(StepRoute(recorder=self.recorder, fallback_reason=change if in_use else None))
+            return None
+        if not in_use and not self.machine.warmup_was_finite():
             return None
         plan = self.recorder.plan(excluded=set(), batch=batch)
-        if plan.unstable is None and plan.calls and self._capture(batch, plan.calls):
-            return self.graph_sets[batch]
-        if self.machine.graphs_allowed:  # not a failed capture (that rolled back loudly): this shape stays eager
-            why = f"its input signatures moved: {plan.unstable}" if plan.unstable else "no target ran in it"
-            rank_zero_warn(f"{self.component}: batch shape {describe_batch_key(batch)} stays eager: {why}")
-            self._uncapturable.add(batch)
-            self.router.begin(StepRoute(fallback_reason=f"{change}; it cannot be captured: {why}"))
-        return None
+        if plan.unstable is not None or not plan.calls:
+            return self._not_capturable(batch, plan.unstable, plan.skipped, change, in_use)
+        self._note_skipped(plan.skipped)
+        if not self._capture(batch, plan.calls):
+            return None
+        if not in_use:
+            self.machine.begin_confirmation()
+            self.trainable.watch((f"{t.name}.{n}", p) for t in self.targets for n, p in t.module.named_parameters())
+        return self.graph_sets.get(batch)
+
+    def _not_capturable(
+        self, batch: tuple[Any, ...], unstable: str | None, skipped: dict[str, str], change: str, in_use: bool
+    ) -> None:
+        if not in_use:  # the first shape: graphs are not for this fit
+            if unstable is not None:
+                self.machine.disable(
+                    f"shape_unstable: {unstable}", detail=f"input signatures moved during warmup: {unstable}"
+                )
+            else:
+                self.machine.disable("no_targets", detail=f"no target module ran in a training step: {skipped}")
+            return
+        why = f"its input signatures moved: {unstable}" if unstable else "no target ran in it"
+        rank_zero_warn(f"{self.component}: batch shape {describe_batch_key(batch)} stays eager: {why}")
+        self._uncapturable.add(batch)
+        self.recorder.forget(batch)
+        self.router.begin(StepRoute(fallback_reason=f"{change}; it cannot be captured: {why}"))
+        return
 
     def _capture(self, batch: tuple[Any, ...], calls: list[RecordedCall]) -> bool:
         """Capture a graph set for ``batch`` with the targets' hooks stashed; on failure roll back (or raise)."""
+        self._before_first_capture()
         self._note_memory_before_capture()
         modules = [call.module for call in calls]
         metrics = MetricUpdates((call.name, call.module) for call in calls)
@@ -178,7 +192,8 @@ class ScopedDriver(Driver):
         for region in regions:
             region.on_backward = self.router.on_backward
         entries = {self._index[region.name]: ReplayEntry(region) for region in regions}
-        self.graph_sets[batch] = GraphSet(batch, entries)
+        self.graph_sets.add(batch, GraphSet(batch, entries, confirm_left=self.config.confirm_steps))
+        self.recorder.forget(batch)
         self._autocast = self._autocast or any(call.signature.autocast[0] for call in calls)
         if not self._captured(started, sum(len(s.entries) for s in self.graph_sets.values())):
             return False
@@ -224,19 +239,35 @@ class ScopedDriver(Driver):
             return self.config.parity_tol
         return REDUCED_PRECISION_PARITY_TOL if self._autocast else DEFAULT_PARITY_TOL
 
-    def finish_confirmation(self) -> None:
+    def _finish_confirmation(self, graph_set: GraphSet) -> None:
         """Confirm once a step ran on graphs forward and backward (steps that checked parity trained eagerly)."""
-        if self._replays_since_capture == 0:
+        if graph_set.replays == 0:
             self.machine.rollback("not_replayed: no graph replayed during confirmation (the targets were bypassed)")
-        elif self._graphed_step_seen:
+        elif graph_set.graphed_step_seen:
             self.machine.confirm(graphs=self.report.graphs)
+        else:
+            graph_set.confirm_left = 1  # one more step, on the graphs
+
+    def seal(self) -> None:
+        """Close the set of batch shapes (shapes still recording are dropped)."""
+        self.graph_sets.seal()
+
+    def census(self) -> str | None:
+        """Whether every captured region still reads the parameters and buffers it was captured with (no sync)."""
+        for graph_set in self.graph_sets.values():
+            for entry in graph_set.entries.values():
+                region = entry.region
+                moved = [n for n, ptr in tensor_addresses(region.module).items() if region.addresses.get(n) != ptr]
+                if moved:
+                    return f"address_changed: {region.name}.{moved[0]} is not the tensor the graph was captured with"
+        return None
 
     # ------------------------------------------------------------------ stage 7: release
     def release(self) -> None:
         """Restore every forward first (what a user would trip over most), then reset every graph."""
         self.router.end()
         self.forwards.restore()
-        graph_sets, self.graph_sets = list(self.graph_sets.values()), {}
+        graph_sets = self.graph_sets.clear()
         try:
             for graph_set in graph_sets:
                 graph_set.reset()

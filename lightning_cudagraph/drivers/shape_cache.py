@@ -1,0 +1,108 @@
+"""Graphs by batch shape: a bounded, least-recently-used cache that can be sealed.
+
+Every capture mode keeps one graph set per batch shape. The cache holds at most ``limit`` of them; a new shape
+evicts the one used longest ago (its graphs are reset, and captured again if it comes back). Once sealed, the set
+of shapes is closed: nothing is evicted, and a shape outside it is an error that names it and the captured set.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.signature import describe_batch_key
+
+T = TypeVar("T")
+
+
+class ShapeCache(Generic[T]):
+    """Graph sets by batch key, least recently used first.
+
+    Args:
+        limit: Most graph sets held at once.
+        report: Evictions are counted here.
+        component: Named in messages and errors.
+        reset: Frees an evicted graph set.
+
+    Example:
+        >>> from lightning_cudagraph.health import CUDAGraphReport
+        >>> freed = []
+        >>> cache = ShapeCache(2, CUDAGraphReport(), "CUDAGraphCallback", reset=freed.append)
+        >>> for key in ("a", "b"):
+        ...     cache.add((key,), key.upper())
+        >>> cache.get(("a",))  # "a" is now the most recently used
+        'A'
+        >>> cache.add(("c",), "C"); freed
+        ['B']
+    """
+
+    def __init__(self, limit: int, report: CUDAGraphReport, component: str, reset: Callable[[T], None]) -> None:
+        self.limit, self.report, self.component, self._reset = limit, report, component, reset
+        self._items: OrderedDict[tuple[Any, ...], T] = OrderedDict()
+        self.sealed = False
+        self._thrash_warned = False
+
+    def get(self, key: tuple[Any, ...]) -> T | None:
+        """The graph set of ``key`` (marked most recently used), or ``None``."""
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def add(self, key: tuple[Any, ...], item: T) -> None:
+        """Hold ``item`` for ``key``, evicting the least recently used set when full."""
+        while len(self._items) >= self.limit:
+            _, evicted = self._items.popitem(last=False)
+            self._reset(evicted)
+            self.report.evictions += 1
+            self._warn_if_thrashing()
+        self._items[key] = item
+
+    def discard(self, key: tuple[Any, ...]) -> None:
+        """Drop ``key`` without resetting (its capture failed)."""
+        self._items.pop(key, None)
+
+    def seal(self) -> None:
+        """Close the set of shapes: no eviction, and any other shape is an error."""
+        self.sealed = True
+
+    def sealed_error(self, key: tuple[Any, ...]) -> RuntimeError:
+        """The error for a shape outside a sealed set."""
+        captured = ", ".join(f"[{describe_batch_key(k)}]" for k in self._items) or "nothing"
+        return RuntimeError(
+            f"{self.component}: batch shape [{describe_batch_key(key)}] has no graph and the set of shapes is sealed"
+            f" (captured: {captured}). Fix: pad batches to the captured shapes (lightning_cudagraph.bucketing), seal"
+            " later (seal_after_steps), or do not seal."
+        )
+
+    def clear(self) -> list[T]:
+        """Forget every graph set and return them (the caller resets them)."""
+        items, self._items = list(self._items.values()), OrderedDict()
+        return items
+
+    def shapes(self) -> list[tuple[Any, ...]]:
+        """The batch keys held, least recently used first."""
+        return list(self._items)
+
+    def values(self) -> Iterator[T]:
+        """The graph sets held."""
+        return iter(list(self._items.values()))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def _warn_if_thrashing(self) -> None:
+        if not self._thrash_warned and self.report.evictions >= 2 * self.limit:
+            self._thrash_warned = True
+            rank_zero_warn(
+                f"{self.component}: {self.report.evictions} graph sets evicted with max_graphs={self.limit}: more"
+                " shapes rotate than the cache holds, so most steps capture again instead of replaying. Raise"
+                " max_graphs to the number of shapes, or pad batches to fewer lengths (lightning_cudagraph.bucketing)."
+            )
