@@ -146,3 +146,43 @@ def test_an_exception_mid_fit_releases_the_graph_and_gives_the_optimizer_back():
     assert backend.step_graphs, "the step had been captured"
     assert patched_forwards(model) == []
     assert_released(backend)
+
+
+def test_rotating_shapes_get_their_own_warmup_and_graphs_and_the_cache_evicts_the_least_recently_used():
+    backend = FakeBackend()
+    sizes = [4, 3] * 4 + [2, 4, 3, 2]  # shapes 4 and 3 from the start; 2 joins once the cache (2) is full
+    strategy = whole_step(backend, on_shape_change="recapture", max_graphs=2)
+    run = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), strategy=strategy, **CPU)
+    report = graph_callback(run.trainer).report
+    assert report.stage == Stage.REPLAYING, report.reason
+    assert (report.captures, report.evictions) == (3, 1)
+    assert report.steps_replayed == 7 and report.steps_eager == 1  # shape 2 runs one eager step of its own
+    eager = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), **CPU)
+    assert_losses_close(eager.losses, run.losses, 1e-6)
+    assert_released(backend)
+
+
+def test_a_sealed_whole_step_raises_on_a_new_shape():
+    sizes = [4] * (WARMUP + 3) + [3]
+    strategy = whole_step(on_shape_change="recapture", seal_after_steps=WARMUP + 2)
+    with pytest.raises(RuntimeError, match=r"int64\[3, 16\].*sealed"):
+        fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), strategy=strategy, **CPU)
+
+
+class _RebindAfterConfirmation(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == WARMUP + 4:
+            weight = pl_module.model.head.weight
+            weight.data = weight.data.clone()
+
+
+def test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay():
+    backend = FakeBackend()
+    with pytest.warns(UserWarning, match="rolled back to eager training: address_changed"):
+        run = fit(
+            *decoder(TINY), 12, [_RebindAfterConfirmation()], strategy=whole_step(backend), log_every_n_steps=2, **CPU
+        )
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1)
+    assert report.steps_replayed >= 3
+    assert_released(backend)

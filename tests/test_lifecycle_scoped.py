@@ -233,7 +233,7 @@ class _RebindAt(pl.Callback):
             weight.data = weight.data.clone()
 
 
-def test_a_parameter_rebound_after_confirmation_rolls_back_at_the_next_log_interval():
+def test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay():
     backend = FakeBackend()
     callback = graphed(backend)
     with pytest.warns(UserWarning, match="rolled back to eager training: address_changed: model.blocks.1.attn.qkv"):

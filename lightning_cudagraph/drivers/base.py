@@ -62,10 +62,6 @@ class Driver(ABC):
         """A training batch ended: close it and weigh what confirmation saw in it."""
 
     @abstractmethod
-    def census(self) -> str | None:
-        """Why a captured graph no longer reads the module's current tensors, or ``None`` (host-side, no sync)."""
-
-    @abstractmethod
     def seal(self) -> None:
         """Close the set of batch shapes: from now on a shape without graphs is an error."""
 
@@ -76,11 +72,8 @@ class Driver(ABC):
     def abandon_step(self) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """A training batch never reached its end (``on_train_batch_start`` returned -1)."""
 
-    def health_check(self, step: int) -> None:
-        """Once per log interval: parameters and buffers still where the graphs read them, else roll back."""
-        problem = self.census() if self.machine.graphs_allowed else None
-        if problem is not None:
-            self.machine.rollback(problem)
+    def health_check(self, step: int) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
+        """Once per log interval: read what the graphs count on the device (one host sync), if anything."""
 
     def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """Keep the checkpoint free of the package's state."""

@@ -33,29 +33,40 @@ def relative_error(reference: Sequence[Tensor], other: Sequence[Tensor]) -> Tens
     return torch.stack(errors).max() if errors else torch.zeros(())
 
 
-def state_addresses(module: torch.nn.Module) -> list[int]:
-    """Data pointers of every parameter and buffer of ``module``, in order (what a whole-step graph reads)."""
-    return [tensor.data_ptr() for tensor in (*module.parameters(), *module.buffers())]
+class StateWatch:
+    """What the graphs were captured with: which parameters trained, and where every parameter and buffer lives.
 
+    Checked before each step that replays (host-side flags and data pointers, no device sync): a parameter whose
+    ``requires_grad`` changed would get no gradient from the graphs, and a parameter or buffer rebound to new
+    storage (``p.data = ...``, a ``.to()``, a weight swap) would leave the graphs reading the old one.
 
-class TrainableWatch:
-    """Which parameters trained when the graphs were captured: graphs compute gradients for exactly these."""
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> watch = StateWatch()
+        >>> watch.watch(layer.named_parameters())
+        >>> layer.weight.data = layer.weight.data.clone()
+        >>> watch.problem().split(":")[0]
+        'address_changed'
+    """
 
     def __init__(self) -> None:
-        self._watched: list[tuple[str, Tensor, bool]] = []
+        self._watched: list[tuple[str, Tensor, bool, int]] = []
 
-    def watch(self, named_parameters: Iterable[tuple[str, Tensor]]) -> None:
-        """Remember ``requires_grad`` of these parameters now."""
-        self._watched = [(name, param, param.requires_grad) for name, param in named_parameters]
+    def watch(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Remember ``requires_grad`` and the storage of these tensors now."""
+        self._watched = [(name, t, t.requires_grad, t.data_ptr()) for name, t in named_tensors]
 
     def problem(self) -> str | None:
-        """A rollback reason if a parameter's ``requires_grad`` changed since :meth:`watch`, else ``None``."""
-        for name, param, trainable in self._watched:
-            if param.requires_grad is not trainable:
+        """A rollback reason if a tensor's trainability or storage changed since :meth:`watch`, else ``None``."""
+        for name, tensor, trainable, address in self._watched:
+            if tensor.requires_grad is not trainable:
                 return (
-                    f"trainable_changed: {name}.requires_grad {trainable} -> {param.requires_grad}; the graphs"
+                    f"trainable_changed: {name}.requires_grad {trainable} -> {tensor.requires_grad}; the graphs"
                     " compute gradients for the parameters that were trainable at capture"
                 )
+            if tensor.data_ptr() != address:
+                return f"address_changed: {name} is not the tensor the graphs were captured with (it was rebound)"
         return None
 
 

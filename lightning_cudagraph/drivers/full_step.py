@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._lightning import logs_recorded, relog, set_closure_result, step_loss
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
-from lightning_cudagraph.drivers.evidence import MetricUpdates, TrainableWatch, state_addresses
+from lightning_cudagraph.drivers.evidence import MetricUpdates, StateWatch
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.drivers.whole_step import NonFiniteFlags, WholeStep
 from lightning_cudagraph.graphs.backend import PreparedOptimizer
@@ -63,13 +63,12 @@ class FullStepDriver(Driver):
         self.steps: ShapeCache[WholeStep] = self._shape_cache(WholeStep.reset)
         self.optimizers: dict[int, PreparedOptimizer] = {}
         self.flags = NonFiniteFlags(self.backend.device)
-        self.trainable = TrainableWatch()
+        self.state = StateWatch()
         self._module: pl.LightningModule | None = None
         self._plan: StepPlan | None = None
         self._capturing: WholeStep | None = None
         self._first: WholeStep | None = None
         self._sightings: dict[tuple[Any, ...], int] = {}
-        self._problem: str | None = None
         self._last_nonfinite_check = 0
 
     def start(self, trainer: pl.Trainer) -> None:
@@ -137,7 +136,7 @@ class FullStepDriver(Driver):
                 self.machine.begin_confirmation()
             whole = plan.whole
         else:
-            problem = self.trainable.problem()
+            problem = self.state.problem()
             if problem is not None:
                 self.machine.rollback(problem)
                 return _eager(run_step)
@@ -169,7 +168,6 @@ class FullStepDriver(Driver):
         except Exception as err:  # roll back loudly (or raise); the step then runs eagerly
             self._capture_failed(err)
             return False
-        whole.addresses = state_addresses(module)
         self.steps.add(plan.key, whole)
         self._sightings.pop(plan.key, None)
         if not self._captured(started, len(self.steps)):
@@ -182,7 +180,7 @@ class FullStepDriver(Driver):
                 " outputs, or use a scoped capture (scope=['layer'])"
             )
             return False
-        self.trainable.watch(module.named_parameters())
+        self.state.watch((*module.named_parameters(), *module.named_buffers()))
         rank_zero_info(f"{self.component}: captured the training step for batch {describe_batch_key(plan.key)}")
         return True
 
@@ -196,10 +194,7 @@ class FullStepDriver(Driver):
         output = whole.output_copy()
         set_closure_result(closure, output, trainer.accumulate_grad_batches)
         relog(module, whole.logs)
-        if whole.confirm_left > 0:  # this shape's confirmation: the graph reads the module's current tensors
-            whole.confirm_left -= 1
-            if state_addresses(module) != whole.addresses:
-                self._problem = "address_changed: a parameter is not the tensor the step graph was captured with"
+        whole.confirm_left -= 1
         return output
 
     @property
@@ -219,13 +214,10 @@ class FullStepDriver(Driver):
 
     # ------------------------------------------------------------------ confirmation, health, release
     def end_step(self, outputs: Any) -> None:
-        """Roll back on what a confirming replay found; confirm once the first shape's checks are done."""
-        problem, self._problem = self._problem, None
+        """Confirm once the first shape replayed ``confirm_steps`` times (its parameters checked before each)."""
         if not self.machine.graphs_allowed:
             return
-        if problem is not None:
-            self.machine.rollback(problem)
-        elif self.machine.stage == Stage.CONFIRMING and self._first is not None and self._first.confirm_left <= 0:
+        if self.machine.stage == Stage.CONFIRMING and self._first is not None and self._first.confirm_left <= 0:
             count, first = self.flags.read_and_clear()  # the decision's one host sync
             self.machine.confirm(graphs=self.report.graphs, nonfinite_first_step=first if count else None)
 
@@ -233,18 +225,8 @@ class FullStepDriver(Driver):
         """Close the set of batch shapes."""
         self.steps.seal()
 
-    def census(self) -> str | None:
-        """Whether every captured step still reads the module's parameters and buffers (host-side, no sync)."""
-        if self._module is None or not len(self.steps):
-            return None
-        addresses = state_addresses(self._module)
-        if any(whole.addresses != addresses for whole in self.steps.values()):
-            return "address_changed: a parameter or buffer is not the tensor the step graph was captured with"
-        return None
-
     def health_check(self, step: int) -> None:
-        """Addresses, then the in-graph non-finite counter (one host sync per log interval, once captured)."""
-        super().health_check(step)
+        """Read the in-graph non-finite counter (one host sync per log interval, once a step is captured)."""
         if not len(self.steps) or not self.machine.graphs_allowed:
             return
         count, first = self.flags.read_and_clear()

@@ -101,7 +101,7 @@ class StepRoute:
     fallback_reason: str | None = None
     confirming: bool = False
     accumulating: bool = False
-    trainable_checked: bool = False
+    state_checked: bool = False
     problem: str | None = None
     forward_order: list[str] = field(default_factory=list)
     backward_order: list[str] = field(default_factory=list)
@@ -117,7 +117,7 @@ class CallRouter:
         report: Replays and fallbacks are counted here (written, never read back).
         component: Named in errors.
         strict_shapes: Raise on a call whose signature is not the captured one (``on_shape_change="error"``).
-        trainable_problem: Says why the trainable parameters no longer match the graphs, or ``None``.
+        state_problem: Says why the parameters no longer match the graphs (trainability, storage), or ``None``.
         preserved: Restores random-number and buffer state around a confirmation's graphed forward.
     """
 
@@ -126,11 +126,11 @@ class CallRouter:
         report: CUDAGraphReport,
         component: str,
         strict_shapes: bool,
-        trainable_problem: Callable[[], str | None],
+        state_problem: Callable[[], str | None],
         preserved: Callable[[list[torch.nn.Module]], contextlib.AbstractContextManager[None]],
     ) -> None:
         self.report, self.component, self.strict_shapes = report, component, strict_shapes
-        self._trainable_problem, self._preserved = trainable_problem, preserved
+        self._state_problem, self._preserved = state_problem, preserved
         self._route: StepRoute | None = None
 
     def begin(self, route: StepRoute) -> None:
@@ -154,11 +154,11 @@ class CallRouter:
             if route.fallback_reason is not None:
                 self._count_fallback(route, route.fallback_reason)
             return forward.original(*args, **kwargs)
-        if not route.trainable_checked:  # here, not at batch start: hooks before the forward may (un)freeze
-            route.trainable_checked = True
-            route.problem = self._trainable_problem()
+        if not route.state_checked:  # here, not at batch start: hooks before the forward may (un)freeze or rebind
+            route.state_checked = True
+            route.problem = self._state_problem()
             if route.problem is not None:
-                route.fallback_reason = "trainable parameters changed since capture"
+                route.fallback_reason = "parameters changed since capture"
                 self._count_fallback(route, route.fallback_reason)
                 return forward.original(*args, **kwargs)
         mismatch = _mismatch(entry.region, forward.module, args, kwargs)

@@ -17,11 +17,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
-from lightning_cudagraph.drivers.evidence import MetricUpdates, TrainableWatch
+from lightning_cudagraph.drivers.evidence import MetricUpdates, StateWatch
 from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, ReplayEntry, StepRoute
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.graphs.backend import RegionCapture
-from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.health import Stage
 from lightning_cudagraph.hooks import hooks_stashed, inner_hook_count
 from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
@@ -50,12 +49,12 @@ class ScopedDriver(Driver):
         super().__init__(*args)
         self.targets = list(targets)
         self.recorder = WarmupRecorder(self.targets)
-        self.trainable = TrainableWatch()
+        self.state = StateWatch()
         self.router = CallRouter(
             self.report,
             self.component,
             strict_shapes=self.config.on_shape_change == "error",
-            trainable_problem=self.trainable.problem,
+            state_problem=self.state.problem,
             preserved=self.backend.preserved,
         )
         self.forwards = PatchedForwards(self.targets, self.router)
@@ -155,7 +154,11 @@ class ScopedDriver(Driver):
             return None
         if not in_use:
             self.machine.begin_confirmation()
-            self.trainable.watch((f"{t.name}.{n}", p) for t in self.targets for n, p in t.module.named_parameters())
+            self.state.watch(
+                (f"{t.name}.{n}", tensor)
+                for t in self.targets
+                for n, tensor in (*t.module.named_parameters(), *t.module.named_buffers())
+            )
         return self.graph_sets.get(batch)
 
     def _not_capturable(
@@ -251,16 +254,6 @@ class ScopedDriver(Driver):
     def seal(self) -> None:
         """Close the set of batch shapes (shapes still recording are dropped)."""
         self.graph_sets.seal()
-
-    def census(self) -> str | None:
-        """Whether every captured region still reads the parameters and buffers it was captured with (no sync)."""
-        for graph_set in self.graph_sets.values():
-            for entry in graph_set.entries.values():
-                region = entry.region
-                moved = [n for n, ptr in tensor_addresses(region.module).items() if region.addresses.get(n) != ptr]
-                if moved:
-                    return f"address_changed: {region.name}.{moved[0]} is not the tensor the graph was captured with"
-        return None
 
     # ------------------------------------------------------------------ stage 7: release
     def release(self) -> None:

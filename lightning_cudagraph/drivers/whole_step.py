@@ -22,7 +22,6 @@ class WholeStep:
         graph: The captured step, once captured.
         output: ``training_step`` 's output as captured (static tensors the replays rewrite).
         logs: The ``self.log`` calls ``training_step`` made while captured, re-issued after each replay.
-        addresses: Data pointers of the module's parameters and buffers at capture.
         confirm_left: Replays still to be checked before this shape's graph is trusted.
     """
 
@@ -30,7 +29,6 @@ class WholeStep:
     graph: StepGraph | None = None
     output: Any = None
     logs: list[LogCall] = field(default_factory=list)
-    addresses: list[int] = field(default_factory=list)
     confirm_left: int = 0
 
     def stage(self, batch: Any) -> Any:

@@ -1,0 +1,103 @@
+"""Pad variable-length samples to a few lengths, so that real data replays a few graphs instead of none.
+
+A graph replays one set of shapes. A collator that pads each batch to its longest sample makes a new shape for
+almost every batch; padding to a small set of lengths (buckets, or multiples of a number) bounds the shapes to
+that set, and the per-shape cache (``on_shape_change="recapture"``, ``max_graphs``) holds a graph set for each.
+The model handles padding as usual (an attention mask, ``-100`` labels the loss ignores).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_cudagraph.config import config_error
+
+
+def bucket_length(length: int, buckets: Sequence[int] | None = None, multiple: int | None = None) -> int:
+    """The smallest bucket at least ``length`` long, or ``length`` rounded up to a multiple of ``multiple``.
+
+    Example:
+        >>> bucket_length(70, buckets=[64, 128, 256]), bucket_length(70, multiple=32)
+        (128, 96)
+    """
+    if buckets is not None:
+        index = bisect.bisect_left(buckets, length)
+        if index == len(buckets):
+            raise config_error(
+                "PadToBucket",
+                "buckets",
+                list(buckets),
+                f"buckets that cover every sample (the longest here is {length})",
+                f"add a bucket of at least {length}, or truncate samples to {buckets[-1]}",
+            )
+        return buckets[index]
+    return -(-length // multiple) * multiple
+
+
+class PadToBucket:
+    """A ``collate_fn`` that pads every sample's tensors to one bucket length, then stacks them.
+
+    Each sample is a mapping or a sequence of tensors whose first dimension is the length (token ids, labels, an
+    attention mask). The batch is padded to the bucket of its longest sample.
+
+    Args:
+        buckets: Allowed lengths, e.g. ``[64, 128, 256, 512]``.
+        multiple: Or pad to a multiple of this (like Hugging Face's ``pad_to_multiple_of``).
+        pad_values: The pad value per field (a key of mapping samples, or a position of sequence samples); 0 for
+            the others. Labels the loss ignores are usually ``-100``.
+
+    Example:
+        >>> import torch
+        >>> collate = PadToBucket(buckets=[8, 16], pad_values={"labels": -100})
+        >>> samples = [{"input_ids": torch.ones(5, dtype=torch.long), "labels": torch.ones(5, dtype=torch.long)},
+        ...            {"input_ids": torch.ones(7, dtype=torch.long), "labels": torch.ones(7, dtype=torch.long)}]
+        >>> batch = collate(samples)
+        >>> batch["input_ids"].shape, batch["labels"][0].tolist()
+        (torch.Size([2, 8]), [1, 1, 1, 1, 1, -100, -100, -100])
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[int] | None = None,
+        multiple: int | None = None,
+        pad_values: Mapping[Any, float | int] | None = None,
+    ) -> None:
+        if (buckets is None) == (multiple is None):
+            raise config_error(
+                "PadToBucket", "buckets/multiple", (buckets, multiple), "exactly one of them", "pass buckets=[...]"
+            )
+        if buckets is not None and (not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1):
+            raise config_error(
+                "PadToBucket", "buckets", buckets, "increasing positive lengths", "pass e.g. [64, 128, 256]"
+            )
+        if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+            raise config_error("PadToBucket", "multiple", multiple, "a positive integer", "pass e.g. multiple=64")
+        self.buckets = list(buckets) if buckets is not None else None
+        self.multiple = multiple
+        self.pad_values = dict(pad_values or {})
+
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        """Pad and stack ``samples``."""
+        first = samples[0]
+        fields = list(first) if isinstance(first, Mapping) else list(range(len(first)))
+        longest = max(_length(sample[name]) for sample in samples for name in fields)
+        length = bucket_length(longest, self.buckets, self.multiple)
+        padded = {name: torch.stack([self._pad(sample[name], name, length) for sample in samples]) for name in fields}
+        return padded if isinstance(first, Mapping) else type(first)(padded[i] for i in fields)
+
+    def _pad(self, value: Any, name: Any, length: int) -> Tensor:
+        tensor = torch.as_tensor(value)
+        if tensor.dim() == 0:
+            return tensor
+        filler = tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), self.pad_values.get(name, 0))
+        return torch.cat([tensor, filler])
+
+
+def _length(value: Any) -> int:
+    tensor = torch.as_tensor(value)
+    return tensor.shape[0] if tensor.dim() else 0
