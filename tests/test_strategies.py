@@ -219,7 +219,7 @@ def test_cli_registered_name_takes_no_options_and_says_so(tmp_path, monkeypatch,
     assert "max_pool_mib" in capsys.readouterr().err
 
 
-def test_readme_callback_command_runs_without_a_conflict_warning():
+def test_readme_callback_command_runs_without_a_conflict_warning(tmp_path):
     command = [
         sys.executable,
         "examples/gpt.py",
@@ -236,6 +236,7 @@ def test_readme_callback_command_runs_without_a_conflict_warning():
         f"--data.vocab_size={TINY['vocab_size']}",
         f"--data.seq_len={TINY['seq_len']}",
         "--data.train_samples=16",
+        f"--trainer.default_root_dir={tmp_path}",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr[-2000:]

@@ -1,0 +1,160 @@
+"""Variable sequence lengths on the GPU: bucketed padding and the per-shape graph cache against one fixed length.
+
+Lengths are drawn from a fixed seeded distribution (uniform 32..512) and padded to 8 buckets (64, 128, ..., 512)
+by :class:`lightning_cudagraph.bucketing.PadToBucket`; the same model then trains on every sequence padded to one
+fixed length (the mean padded length). For eager Lightning, ``scope=["layer"]`` and ``cudagraph_full``, each in one
+process: GPU time over the timed steps (CUDA events at every batch start, read once at the end), the speedup over
+eager on the same batches, the graph pool, the share of steps that replayed after every bucket was captured, and
+the per-step loss difference against eager.
+
+    python benchmarks/shapes.py --out benchmarks/results/shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.variants import StepClock
+from examples.gpt import GPTModule
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
+from lightning_cudagraph.bucketing import PadToBucket, bucket_length
+
+BUCKETS = [64, 128, 192, 256, 320, 384, 448, 512]
+BATCH, VOCAB = 8, 1024
+
+
+def samples(count: int, fixed: int | None, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(tokens, targets)`` pairs, lengths uniform in 32..512 (or all ``fixed``); padded targets are -100."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(32, 513, (count,), generator=generator).tolist()
+    out = []
+    for length in lengths:
+        tokens = torch.randint(VOCAB, (length + 1,), generator=generator)
+        out.append((tokens[:-1], tokens[1:]) if fixed is None else _padded(tokens, fixed))
+    return out
+
+
+def _padded(tokens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = torch.zeros(length, dtype=torch.long), torch.full((length,), -100, dtype=torch.long)
+    n = min(length, len(tokens) - 1)
+    x[:n], y[:n] = tokens[:n], tokens[1 : n + 1]
+    return x, y
+
+
+class Watch(pl.Callback):
+    """Per step: the loss (kept on the device) and whether the step replayed (host counters of the report)."""
+
+    def __init__(self, callback_of: Any) -> None:
+        self.callback_of = callback_of
+        self.losses: list[torch.Tensor] = []
+        self.replayed: list[int] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(outputs["loss"].detach().clone())
+        report = self.callback_of(trainer)
+        self.replayed.append(report.steps_replayed if report is not None else 0)
+
+
+def graph_report(trainer: pl.Trainer) -> Any:
+    found = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
+    return found[0].report if found else None
+
+
+def run(variant: str, data: list, steps: int, skip: int, model_args: dict) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    model = GPTModule(**model_args)
+    loader = DataLoader(data, batch_size=BATCH, collate_fn=PadToBucket(buckets=BUCKETS, pad_values={1: -100}))
+    clock, watch = StepClock(), Watch(graph_report)
+    options: dict[str, Any] = {"callbacks": [clock, watch]}
+    recapture = {"on_shape_change": "recapture", "max_graphs": len(BUCKETS)}
+    if variant == "layer":
+        options["callbacks"].insert(0, CUDAGraphCallback(scope=["layer"], **recapture))
+    elif variant == "full":
+        options["strategy"] = CUDAGraphStrategy(scope=["full_iteration"], **recapture)
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **options,
+    )  # fmt: skip
+    trainer.fit(model, loader)
+    times = clock.step_times(skip)
+    report = graph_report(trainer)
+    replayed = [b - a for a, b in zip(watch.replayed, watch.replayed[1:], strict=False)]
+    return {
+        "variant": variant,
+        "total_ms": sum(times),
+        "median_ms": statistics.median(times),
+        "losses": torch.stack(watch.losses).float().cpu().tolist(),
+        "stage": int(report.stage) if report else None,
+        "reason": report.reason if report else None,
+        "captures": report.captures if report else 0,
+        "evictions": report.evictions if report else 0,
+        "pool_mib": report.pool_mib if report else 0.0,
+        "replayed_after_skip": sum(replayed[skip:]) / max(len(replayed[skip:]), 1) if report else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--skip", type=int, default=40, help="steps not timed: warmup and the captures of every bucket")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/shapes.py measures CUDA graphs and needs a CUDA GPU; none is visible here.")
+    os.makedirs(args.out, exist_ok=True)
+    variable = samples(args.steps * BATCH, fixed=None)
+    mean_padded = statistics.mean(bucket_length(len(x), BUCKETS) for x, _ in variable)
+    fixed_length = bucket_length(round(mean_padded), BUCKETS)
+    fixed = samples(args.steps * BATCH, fixed=fixed_length)
+    model_args = {"vocab_size": VOCAB, "seq_len": BUCKETS[-1], "n_layer": 6, "width": 256, "heads": 4}
+    results: dict[str, dict[str, Any]] = {}
+    for data_name, data in (("variable", variable), ("fixed", fixed)):
+        for variant in ("eager", "layer", "full"):
+            result = run(variant, data, args.steps, args.skip, model_args)
+            results[f"{variant}/{data_name}"] = result
+            print(f"{variant:6s} {data_name:9s} {result['median_ms']:8.3f} ms/step  total {result['total_ms']:9.1f} ms"
+                  f"  captures {result['captures']}  pool {result['pool_mib']:.0f} MiB  stage {result['stage']}"
+                  f"  replayed {result['replayed_after_skip']:.3f}", flush=True)  # fmt: skip
+    rows = []
+    for variant in ("layer", "full"):
+        var, fix = results[f"{variant}/variable"], results[f"{variant}/fixed"]
+        speed_var = results["eager/variable"]["total_ms"] / var["total_ms"]
+        speed_fix = results["eager/fixed"]["total_ms"] / fix["total_ms"]
+        eager_losses = results["eager/variable"]["losses"][:20]
+        parity = max(abs(a - b) for a, b in zip(var["losses"][:20], eager_losses, strict=True))
+        rows.append(
+            f"| {variant} | {speed_var:.2f}x | {speed_fix:.2f}x | {speed_var / speed_fix:.2f} | {var['pool_mib']:.0f}"
+            f" | {fix['pool_mib']:.0f} | {var['pool_mib'] / max(fix['pool_mib'], 1e-9):.2f} | {var['captures']}"
+            f" | {var['replayed_after_skip']:.3f} | {parity:.1e} |"
+        )
+    table = "\n".join([
+        f"Variable lengths 32..512 padded to {len(BUCKETS)} buckets vs one fixed length ({fixed_length}),"
+        f" batch {BATCH}, small GPT (6 layers, width 256), fp32, {args.steps} steps, the first {args.skip} not timed.",
+        "",
+        "| variant | speedup, variable | speedup, fixed | ratio | pool MiB, 8 buckets | pool MiB, 1 | pool ratio |"
+        " captures | replayed after the first epoch of buckets | loss diff, 20 steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ])  # fmt: skip
+    print(table)
+    with open(os.path.join(args.out, "shapes.json"), "w") as handle:
+        json.dump({"fixed_length": fixed_length, "buckets": BUCKETS, "results": results}, handle, indent=1)
+    with open(os.path.join(args.out, "SHAPES.md"), "w") as handle:
+        handle.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
