@@ -73,9 +73,24 @@ def graph_report(trainer: pl.Trainer) -> Any:
     return found[0].report if found else None
 
 
-def run(variant: str, data: list, steps: int, skip: int, model_args: dict) -> dict[str, Any]:
+def build_model(name: str) -> pl.LightningModule:
+    """The small GPT of ``examples/gpt.py``, or the Llama of ``examples/hf_causal_lm.py``, for 512 positions."""
+    if name == "gpt":
+        return GPTModule(vocab_size=VOCAB, seq_len=BUCKETS[-1], n_layer=6, width=256, heads=4)
+    from examples.hf_causal_lm import HFCausalLM
+
+    class PaddedLlama(HFCausalLM):
+        def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            tokens, targets = batch  # the model shifts labels itself: padded positions become -100
+            labels = torch.where(targets == -100, torch.full_like(tokens, -100), tokens)
+            return self.model(input_ids=tokens, labels=labels).loss
+
+    return PaddedLlama(kind="llama", vocab_size=VOCAB, max_position_embeddings=BUCKETS[-1])
+
+
+def run(variant: str, data: list, steps: int, skip: int, model_name: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    model = GPTModule(**model_args)
+    model = build_model(model_name)
     loader = DataLoader(data, batch_size=BATCH, collate_fn=PadToBucket(buckets=BUCKETS, pad_values={1: -100}))
     clock, watch = StepClock(), Watch(graph_report)
     options: dict[str, Any] = {"callbacks": [clock, watch]}
@@ -106,28 +121,8 @@ def run(variant: str, data: list, steps: int, skip: int, model_args: dict) -> di
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=240)
-    parser.add_argument("--skip", type=int, default=40, help="steps not timed: warmup and the captures of every bucket")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/shapes.py measures CUDA graphs and needs a CUDA GPU; none is visible here.")
-    os.makedirs(args.out, exist_ok=True)
-    variable = samples(args.steps * BATCH, fixed=None)
-    mean_padded = statistics.mean(bucket_length(len(x), BUCKETS) for x, _ in variable)
-    fixed_length = bucket_length(round(mean_padded), BUCKETS)
-    fixed = samples(args.steps * BATCH, fixed=fixed_length)
-    model_args = {"vocab_size": VOCAB, "seq_len": BUCKETS[-1], "n_layer": 6, "width": 256, "heads": 4}
-    results: dict[str, dict[str, Any]] = {}
-    for data_name, data in (("variable", variable), ("fixed", fixed)):
-        for variant in ("eager", "layer", "full"):
-            result = run(variant, data, args.steps, args.skip, model_args)
-            results[f"{variant}/{data_name}"] = result
-            print(f"{variant:6s} {data_name:9s} {result['median_ms']:8.3f} ms/step  total {result['total_ms']:9.1f} ms"
-                  f"  captures {result['captures']}  pool {result['pool_mib']:.0f} MiB  stage {result['stage']}"
-                  f"  replayed {result['replayed_after_skip']:.3f}", flush=True)  # fmt: skip
+def summary(model_name: str, results: dict[str, dict[str, Any]], fixed_length: int, args: Any) -> str:
+    """One Markdown table: each graphed variant's speedup on variable vs fixed lengths, memory, replays, parity."""
     rows = []
     for variant in ("layer", "full"):
         var, fix = results[f"{variant}/variable"], results[f"{variant}/fixed"]
@@ -140,18 +135,49 @@ def main() -> None:
             f" | {fix['pool_mib']:.0f} | {var['pool_mib'] / max(fix['pool_mib'], 1e-9):.2f} | {var['captures']}"
             f" | {var['replayed_after_skip']:.3f} | {parity:.1e} |"
         )
-    table = "\n".join([
-        f"Variable lengths 32..512 padded to {len(BUCKETS)} buckets vs one fixed length ({fixed_length}),"
-        f" batch {BATCH}, small GPT (6 layers, width 256), fp32, {args.steps} steps, the first {args.skip} not timed.",
+    name = {"gpt": "small GPT (6 layers, width 256)", "llama": "transformers Llama (4 layers, width 256)"}[model_name]
+    return "\n".join([
+        f"**{name}**: lengths 32..512 padded to {len(BUCKETS)} buckets vs one fixed length ({fixed_length}),"
+        f" batch {BATCH}, fp32, {args.steps} steps, the first {args.skip} not timed.",
         "",
         "| variant | speedup, variable | speedup, fixed | ratio | pool MiB, 8 buckets | pool MiB, 1 | pool ratio |"
         " captures | replayed after the first epoch of buckets | loss diff, 20 steps |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--skip", type=int, default=40, help="steps not timed: warmup and the captures of every bucket")
+    parser.add_argument("--models", default="gpt,llama", help="comma-separated: gpt (small GPT), llama (transformers)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/shapes.py measures CUDA graphs and needs a CUDA GPU; none is visible here.")
+    os.makedirs(args.out, exist_ok=True)
+    variable = samples(args.steps * BATCH, fixed=None)
+    mean_padded = statistics.mean(bucket_length(len(x), BUCKETS) for x, _ in variable)
+    fixed_length = bucket_length(round(mean_padded), BUCKETS)
+    fixed = samples(args.steps * BATCH, fixed=fixed_length)
+    tables, records = [], {}
+    for model_name in args.models.split(","):
+        results: dict[str, dict[str, Any]] = {}
+        for data_name, data in (("variable", variable), ("fixed", fixed)):
+            for variant in ("eager", "layer", "full"):
+                result = run(variant, data, args.steps, args.skip, model_name)
+                results[f"{variant}/{data_name}"] = result
+                print(f"{model_name} {variant:6s} {data_name:9s} {result['median_ms']:8.3f} ms/step"
+                      f"  total {result['total_ms']:9.1f} ms  captures {result['captures']}"
+                      f"  pool {result['pool_mib']:.0f} MiB  stage {result['stage']}"
+                      f"  replayed {result['replayed_after_skip']:.3f}", flush=True)  # fmt: skip
+        records[model_name] = results
+        tables.append(summary(model_name, results, fixed_length, args))
+    table = "\n\n".join(tables)
     print(table)
     with open(os.path.join(args.out, "shapes.json"), "w") as handle:
-        json.dump({"fixed_length": fixed_length, "buckets": BUCKETS, "results": results}, handle, indent=1)
+        json.dump({"fixed_length": fixed_length, "buckets": BUCKETS, "models": records}, handle, indent=1)
     with open(os.path.join(args.out, "SHAPES.md"), "w") as handle:
         handle.write(table + "\n")
 
