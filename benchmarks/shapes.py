@@ -77,15 +77,9 @@ def build_model(name: str) -> pl.LightningModule:
     """The small GPT of ``examples/gpt.py``, or the Llama of ``examples/hf_causal_lm.py``, for 512 positions."""
     if name == "gpt":
         return GPTModule(vocab_size=VOCAB, seq_len=BUCKETS[-1], n_layer=6, width=256, heads=4)
-    from examples.hf_causal_lm import HFCausalLM
+    from examples.hf_causal_lm import HFCausalLM  # its loss ignores padded positions (targets -100)
 
-    class PaddedLlama(HFCausalLM):
-        def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            tokens, targets = batch  # the model shifts labels itself: padded positions become -100
-            labels = torch.where(targets == -100, torch.full_like(tokens, -100), tokens)
-            return self.model(input_ids=tokens, labels=labels).loss
-
-    return PaddedLlama(kind="llama", vocab_size=VOCAB, max_position_embeddings=BUCKETS[-1])
+    return HFCausalLM(kind="llama", vocab_size=VOCAB, max_position_embeddings=BUCKETS[-1])
 
 
 def run(variant: str, data: list, steps: int, skip: int, model_name: str) -> dict[str, Any]:

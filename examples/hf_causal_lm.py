@@ -2,10 +2,10 @@
 
 Install with ``pip install -e ".[hf]"``. Run (graphs on a GPU; on a CPU the package says so and trains eagerly)::
 
-    # dense Llama, one graph per decoder layer (the yaml's strategy)
+    # dense Llama, one graph set per decoder layer and padded length (the yaml's strategy)
     python examples/hf_causal_lm.py fit --config examples/hf_small.yaml
-    # dense Llama, the whole training step as one graph
-    python examples/hf_causal_lm.py fit --config examples/hf_small.yaml --trainer.strategy=cudagraph_full
+    # dense Llama, the whole training step as one graph per padded length
+    python examples/hf_causal_lm.py fit --config examples/hf_small.yaml --trainer.strategy.scope=[full_iteration]
     # Qwen3-MoE: graph the attention and the routers
     python examples/hf_causal_lm.py fit --config examples/hf_small.yaml --model.kind=qwen3_moe \
         --trainer.strategy=lightning_cudagraph.CUDAGraphStrategy --trainer.strategy.scope=[attn,moe_router]
@@ -18,8 +18,11 @@ On Qwen3-MoE, keep the experts out of the graphs: their default implementation (
 results to the host, so a ``moe``, ``layer`` or whole-step capture fails, and the package rolls back to eager
 training with a warning that says so (``cudagraph_layer`` from the yaml does exactly that on this model).
 
-The data are the token sequences of ``examples/gpt.py``; the model is given ``labels=input_ids`` and shifts them
-itself, so the loss is the model's own ``.loss``. ``--model.vocab_size`` also sets the data's vocabulary.
+The data are the token sequences of ``examples/gpt.py``, cut to lengths drawn from ``min_len..seq_len`` and padded
+per batch to a multiple of ``pad_to_multiple_of`` (``lightning_cudagraph.bucketing.PadToBucket``), so a few shapes
+recur and each gets its graphs (``on_shape_change: recapture`` in the yaml). The model is given the input ids as
+labels, with padded positions set to -100, and shifts them itself: the loss is the model's own ``.loss``.
+``--model.vocab_size`` also sets the data's vocabulary.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning_cudagraph  # noqa: F401  (registers the cudagraph* strategy names)
 from examples.gpt import TokenDataModule
+from lightning_cudagraph.bucketing import PadToBucket
 
 Kind = Literal["llama", "qwen3_moe"]
 INSTALL = 'pip install -e ".[hf]"'
@@ -150,8 +155,9 @@ class HFCausalLM(pl.LightningModule):
         return self.model(input_ids=input_ids).logits
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        input_ids, _ = batch  # the model shifts its labels itself
-        return self.model(input_ids=input_ids, labels=input_ids).loss
+        input_ids, targets = batch  # the model shifts its labels itself; padded positions are ignored
+        labels = input_ids.masked_fill(targets == -100, -100)
+        return self.model(input_ids=input_ids, labels=labels).loss
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -165,6 +171,46 @@ class HFCausalLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
+class _Truncated(Dataset):
+    """``(tokens, targets)`` pairs of a dataset, each cut to its own length."""
+
+    def __init__(self, dataset: Dataset, lengths: list[int]) -> None:
+        self.dataset, self.lengths = dataset, lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, targets = self.dataset[index]
+        return tokens[: self.lengths[index]], targets[: self.lengths[index]]
+
+
+class BucketedTokens(TokenDataModule):
+    """The token data of ``examples/gpt.py`` with lengths drawn from ``min_len..seq_len``, padded to a few lengths.
+
+    Args:
+        min_len: The shortest sample (``seq_len``: every sample full length, one shape).
+        pad_to_multiple_of: Batches are padded to a multiple of this (targets with -100).
+        **kwargs: As for ``TokenDataModule``.
+    """
+
+    def __init__(self, min_len: int = 16, pad_to_multiple_of: int = 32, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        hp = self.hparams
+        generator = torch.Generator().manual_seed(hp.seed)
+        lengths = torch.randint(hp.min_len, hp.seq_len + 1, (len(self.train_set),), generator=generator).tolist()
+        self.train_set = _Truncated(self.train_set, lengths)
+
+    def train_dataloader(self) -> DataLoader:
+        collate = PadToBucket(multiple=self.hparams.pad_to_multiple_of, pad_values={1: -100})
+        return DataLoader(
+            self.train_set, batch_size=self.hparams.batch_size, drop_last=self.hparams.drop_last, collate_fn=collate
+        )
+
+
 def main() -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -172,7 +218,7 @@ def main() -> None:
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.link_arguments("model.vocab_size", "data.vocab_size")
 
-    CLI(HFCausalLM, TokenDataModule, seed_everything_default=0)
+    CLI(HFCausalLM, BucketedTokens, seed_everything_default=0)
 
 
 if __name__ == "__main__":
