@@ -1,6 +1,7 @@
 """Variable sequence lengths on the GPU: bucketed padding and the per-shape graph cache against one fixed length.
 
-Lengths are drawn from a fixed seeded distribution (uniform 32..512) and padded to 8 buckets (64, 128, ..., 512)
+Lengths are drawn from a fixed seeded distribution (uniform 32..512), grouped by length into batches (as Hugging
+Face's ``group_by_length`` does, so batches span every bucket) and padded to 8 buckets (64, 128, ..., 512)
 by :class:`lightning_cudagraph.bucketing.PadToBucket`; the same model then trains on every sequence padded to one
 fixed length (the mean padded length). For eager Lightning, ``scope=["layer"]`` and ``cudagraph_full``, each in one
 process: GPU time over the timed steps (CUDA events at every batch start, read once at the end), the speedup over
@@ -37,12 +38,24 @@ BATCH, VOCAB = 8, 1024
 def samples(count: int, fixed: int | None, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(tokens, targets)`` pairs, lengths uniform in 32..512 (or all ``fixed``); padded targets are -100."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(32, 513, (count,), generator=generator).tolist()
+    lengths = grouped_by_length(torch.randint(32, 513, (count,), generator=generator).tolist(), generator)
     out = []
     for length in lengths:
         tokens = torch.randint(VOCAB, (length + 1,), generator=generator)
         out.append((tokens[:-1], tokens[1:]) if fixed is None else _padded(tokens, fixed))
     return out
+
+
+def grouped_by_length(lengths: list[int], generator: torch.Generator, group: int = 8 * BATCH) -> list[int]:
+    """Lengths ordered so that each batch holds similar ones (Hugging Face's ``group_by_length`` does the same):
+    sorted within groups of 8 batches, whose batch order is then shuffled."""
+    ordered = []
+    for start in range(0, len(lengths), group):
+        chunk = sorted(lengths[start : start + group], reverse=True)
+        batches = [chunk[i : i + BATCH] for i in range(0, len(chunk), BATCH)]
+        for index in torch.randperm(len(batches), generator=generator).tolist():
+            ordered.extend(batches[index])
+    return ordered
 
 
 def _padded(tokens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,8 +34,8 @@ class CUDAGraphCallback(Callback):
         ``cudagraph/stage`` (0 eager warmup, 1 confirming, 2 replaying, -1 rolled back or disabled),
         ``cudagraph/graphs``, ``cudagraph/replays``, ``cudagraph/fallbacks``, ``cudagraph/capture_ms``,
         ``cudagraph/pool_mib``, ``cudagraph/step_ms``, ``cudagraph/eager_step_ms``, ``cudagraph/speedup``,
-        ``cudagraph/parity_err``, ``cudagraph/rollbacks``. The same figures, and the reasons behind fallbacks and
-        rollbacks, are in :attr:`report`.
+        ``cudagraph/parity_err``, ``cudagraph/rollbacks``, ``cudagraph/evictions``, ``cudagraph/hit_rate``. The
+        same figures, and the reasons behind fallbacks and rollbacks, are in :attr:`report`.
 
     Args:
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
@@ -48,12 +48,13 @@ class CUDAGraphCallback(Callback):
         modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on
             qualified module names (``"blocks.*.attn"``), an ``nn.Module`` subclass, or a predicate
             ``(name, module) -> bool``; or a list of these.
-        on_shape_change: What a batch of another shape does after capture: ``"eager"`` (that step runs eagerly,
-            counted), ``"recapture"`` (a second sighting is captured, up to ``max_graphs`` graph sets) or
-            ``"error"``.
+        on_shape_change: What a batch of another shape does once graphs exist: ``"eager"`` (that step runs eagerly,
+            counted), ``"recapture"`` (the shape gets its own eager step, capture and confirmation; the
+            ``max_graphs`` least recently used graph sets are kept, others evicted and captured again when their
+            shape returns) or ``"error"``. Pad batches to a few lengths (:mod:`lightning_cudagraph.bucketing`).
         on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
-        max_graphs: Most graph sets (input signatures) kept with ``on_shape_change="recapture"`` (at least 2;
-            4 when not given). Only with ``"recapture"``: the other policies keep one graph set.
+        max_graphs: Most graph sets (batch shapes) held with ``on_shape_change="recapture"`` (at least 2; 4 when
+            not given). Only with ``"recapture"``: the other policies keep one graph set.
         confirm_steps: Steps after capture that are checked before the graphs are trusted.
         parity_tol: Largest relative difference allowed between graphed and eager forwards, at most 0.25 (above
             that the check could not tell a wrong graph from a right one); by default 1e-4 in float32, 2e-2 under
@@ -88,9 +89,14 @@ class CUDAGraphCallback(Callback):
             ensure_graph_safe_allocator(self.component)
         self.rollout = Rollout(config, self.component)
 
-    def seal(self) -> None:
-        """Close the set of batch shapes now: from the next step on, a shape without graphs raises."""
-        self.rollout.seal()
+    def seal(self, self_check: bool = True) -> None:
+        """Close the set of batch shapes now: from the next step on, a shape without graphs raises.
+
+        Args:
+            self_check: Confirm every captured shape once more on its next step (scoped graphs: a graphed forward
+                against the eager forward on the same inputs), rolling back if one no longer agrees.
+        """
+        self.rollout.seal(self_check)
 
     @property
     def report(self) -> CUDAGraphReport:

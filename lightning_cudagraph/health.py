@@ -106,6 +106,7 @@ class CUDAGraphReport:
             "replays": float(self.replays),
             "fallbacks": float(self.fallbacks),
             "rollbacks": float(self.rollbacks),
+            "captures": float(self.captures),
             "evictions": float(self.evictions),
             "hit_rate": self.hit_rate,
             "capture_ms": self.capture_ms,

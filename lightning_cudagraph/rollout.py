@@ -175,12 +175,13 @@ class Rollout:
         return isinstance(self.driver, FullStepDriver) and self.driver.capturing
 
     # ------------------------------------------------------------------ shapes
-    def seal(self) -> None:
+    def seal(self, self_check: bool = True) -> None:
         """Close the set of batch shapes: a shape without graphs raises from now on (``seal_after_steps``)."""
         if self.active and not self._sealed:
             self._sealed = True
-            self.driver.seal()
-            rank_zero_info(f"{self.component}: the set of batch shapes is sealed; another shape raises")
+            self.driver.seal(self_check)
+            check = "; each captured shape is checked against eager once more" if self_check else ""
+            rank_zero_info(f"{self.component}: the set of batch shapes is sealed: another shape raises{check}")
 
     def _seal_when_due(self, step: int) -> None:
         if self.config.seal_after_steps is not None and step >= self.config.seal_after_steps:

@@ -210,6 +210,10 @@ def recorded(model: nn.Module, names: list[str]) -> WarmupRecorder:
     return recorder
 
 
+#: The batch key of the [8, 4] batches most tests feed.
+BATCH_8 = batch_key(torch.zeros(8, 4))
+
+
 def eager_step(recorder: WarmupRecorder, model: nn.Module, batch: torch.Tensor, keep_samples: bool = True) -> None:
     recorder.begin_step(batch=batch_key(batch), keep_samples=keep_samples)
     model(batch).sum().backward()
@@ -221,7 +225,7 @@ def test_stable_steps_give_a_plan_in_execution_order():
     recorder = recorded(model, ["second", "first"])
     for _ in range(3):
         eager_step(recorder, model, torch.randn(8, 4))
-    plan = recorder.plan(set())
+    plan = recorder.plan(set(), batch=BATCH_8)
     assert plan.unstable is None
     assert plan.skipped == {}
     assert [call.name for call in plan.calls] == ["first", "second"]
@@ -236,7 +240,7 @@ def test_sample_inputs_are_detached_clones_that_keep_requires_grad():
     model.second.register_forward_pre_hook(lambda module, args: seen.setdefault("second", args[0]))
     batch = torch.randn(8, 4)
     eager_step(recorder, model, batch)
-    first, second = recorder.plan(set()).calls
+    first, second = recorder.plan(set(), batch=BATCH_8).calls
     (x,), (h,) = first.samples, second.samples
 
     assert torch.equal(x, batch)
@@ -250,13 +254,15 @@ def test_sample_inputs_are_detached_clones_that_keep_requires_grad():
     assert h.is_leaf
 
 
-def test_a_shape_change_makes_the_step_unstable_naming_module_and_shapes():
+def test_an_input_that_moves_within_one_batch_shape_makes_it_unstable_naming_module_and_shapes():
     model = nn.Sequential()
     model.add_module("body", nn.Linear(4, 4))
     recorder = recorded(model, ["body"])
-    for rows in (8, 8, 5):
-        eager_step(recorder, model, torch.randn(rows, 4))
-    plan = recorder.plan(set())
+    for rows in (8, 8, 5):  # the module's input moves while the batch key stays that of an [8, 4] batch
+        recorder.begin_step(batch=BATCH_8, keep_samples=True)
+        model(torch.randn(rows, 4)).sum().backward()
+        recorder.end_step()
+    plan = recorder.plan(set(), batch=BATCH_8)
     assert plan.calls == []
     assert plan.unstable is not None
     assert plan.unstable.startswith("body:")
@@ -280,7 +286,7 @@ def test_targets_called_twice_or_not_at_all_are_skipped():
     recorder = recorded(model, ["shared", "once", "never"])
     for _ in range(2):
         eager_step(recorder, model, torch.randn(8, 4))
-    plan = recorder.plan(set())
+    plan = recorder.plan(set(), batch=BATCH_8)
     assert plan.unstable is None
     assert [call.name for call in plan.calls] == ["once"]
     assert set(plan.skipped) == {"shared", "never"}
@@ -292,7 +298,7 @@ def test_excluded_targets_are_left_out_of_the_plan():
     model = TwoStage()
     recorder = recorded(model, ["first", "second"])
     eager_step(recorder, model, torch.randn(8, 4))
-    assert [call.name for call in recorder.plan({0}).calls] == ["second"]
+    assert [call.name for call in recorder.plan({0}, batch=BATCH_8).calls] == ["second"]
 
 
 def test_plan_for_one_batch_key_ignores_steps_of_other_shapes():
@@ -301,7 +307,7 @@ def test_plan_for_one_batch_key_ignores_steps_of_other_shapes():
     for rows in (8, 5, 8, 5):
         eager_step(recorder, model, torch.randn(rows, 4))
 
-    assert recorder.plan(set()).unstable is not None
+    assert recorder.recorded_steps(BATCH_8) == 2
     for rows in (8, 5):
         plan = recorder.plan(set(), batch=batch_key(torch.randn(rows, 4)))
         assert plan.unstable is None
@@ -312,11 +318,11 @@ def test_plan_for_one_batch_key_ignores_steps_of_other_shapes():
 def test_plan_needs_kept_samples_and_recorded_steps():
     model = TwoStage()
     recorder = recorded(model, ["first"])
-    assert recorder.plan(set()).unstable == "no eager step was recorded"
+    assert recorder.plan(set(), batch=BATCH_8).unstable == "no eager step was recorded"
     eager_step(recorder, model, torch.randn(8, 4), keep_samples=False)
-    assert "no sample inputs" in recorder.plan(set()).unstable
+    assert "no sample inputs" in recorder.plan(set(), batch=BATCH_8).unstable
     eager_step(recorder, model, torch.randn(8, 4), keep_samples=True)
-    assert recorder.plan(set()).unstable is None
+    assert recorder.plan(set(), batch=BATCH_8).unstable is None
 
 
 def test_calls_outside_a_step_are_not_recorded():

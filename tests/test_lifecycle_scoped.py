@@ -379,3 +379,26 @@ def test_resume_restores_the_counters_and_captures_again(tmp_path):
     assert report.captures == 2, "one capture restored from the checkpoint, one in this fit"
     assert report.replays == saved + (4 - WARMUP) * LAYERS
     assert_released(model, backend)
+
+
+class _SealAndBreak(pl.Callback):
+    """At ``step``: a captured graph starts computing something else, then the set of shapes is sealed."""
+
+    def __init__(self, backend: FakeBackend, step: int) -> None:
+        self.backend, self.step = backend, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.backend.regions[0]._distort = 22.0
+            graph_callback(trainer).seal()
+
+
+def test_sealing_checks_every_captured_shape_against_eager_once_more():
+    backend = FakeBackend()
+    callback = graphed(backend)
+    with pytest.warns(UserWarning, match="rolled back to eager training: parity"):
+        run = fit(*decoder(TINY), STEPS + 4, [callback, _SealAndBreak(backend, WARMUP + 3)], **CPU)
+    report = callback.report
+    assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1)
+    assert report.steps_replayed >= 3, "the graphs replayed before the seal"
+    assert_released(run.model, backend)

@@ -62,8 +62,8 @@ class Driver(ABC):
         """A training batch ended: close it and weigh what confirmation saw in it."""
 
     @abstractmethod
-    def seal(self) -> None:
-        """Close the set of batch shapes: from now on a shape without graphs is an error."""
+    def seal(self, self_check: bool) -> None:
+        """Close the set of batch shapes (a shape without graphs is an error from now on); optionally re-check them."""
 
     @abstractmethod
     def release(self) -> None:

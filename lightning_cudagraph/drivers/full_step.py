@@ -221,8 +221,8 @@ class FullStepDriver(Driver):
             count, first = self.flags.read_and_clear()  # the decision's one host sync
             self.machine.confirm(graphs=self.report.graphs, nonfinite_first_step=first if count else None)
 
-    def seal(self) -> None:
-        """Close the set of batch shapes."""
+    def seal(self, self_check: bool) -> None:
+        """Close the set of batch shapes (a whole step has no forward to compare apart: no parity self-check)."""
         self.steps.seal()
 
     def health_check(self, step: int) -> None:

@@ -251,9 +251,18 @@ class ScopedDriver(Driver):
         else:
             graph_set.confirm_left = 1  # one more step, on the graphs
 
-    def seal(self) -> None:
-        """Close the set of batch shapes (shapes still recording are dropped)."""
+    def seal(self, self_check: bool) -> None:
+        """Close the set of batch shapes; with ``self_check``, confirm every captured shape again on its next step.
+
+        The check replays each region's forward and runs the eager forward on the same inputs (parity), and checks
+        addresses and the backward order, as the first confirmation did.
+        """
         self.graph_sets.seal()
+        if self_check:
+            for graph_set in self.graph_sets.values():
+                graph_set.confirm_left = max(graph_set.confirm_left, 1)
+                for entry in graph_set.entries.values():
+                    entry.parity_checked = False
 
     # ------------------------------------------------------------------ stage 7: release
     def release(self) -> None:
