@@ -145,7 +145,8 @@ def summary(model_name: str, results: dict[str, dict[str, Any]], fixed_length: i
     name = {"gpt": "small GPT (6 layers, width 256)", "llama": "transformers Llama (4 layers, width 256)"}[model_name]
     return "\n".join([
         f"**{name}**: lengths 32..512 padded to {len(BUCKETS)} buckets vs one fixed length ({fixed_length}),"
-        f" batch {BATCH}, fp32, {args.steps} steps, the first {args.skip} not timed.",
+        f" batch {BATCH}, fp32, {args.steps} steps, the first {args.skip} not timed; GPU time of the median of"
+        f" {args.rounds} round-robin rounds.",
         "",
         "| variant | speedup, variable | speedup, fixed | ratio | pool MiB, 8 buckets | pool MiB, 1 | pool ratio |"
         " captures | replayed after the first epoch of buckets | loss diff, 20 steps |",
@@ -157,8 +158,9 @@ def summary(model_name: str, results: dict[str, dict[str, Any]], fixed_length: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--skip", type=int, default=40, help="steps not timed: warmup and the captures of every bucket")
+    parser.add_argument("--rounds", type=int, default=3, help="round-robin repeats; the median round is reported")
     parser.add_argument("--models", default="gpt,llama", help="comma-separated: gpt (small GPT), llama (transformers)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -170,15 +172,22 @@ def main() -> None:
     fixed = samples(args.steps * BATCH, fixed=fixed_length)
     tables, records = [], {}
     for model_name in args.models.split(","):
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(args.rounds):  # round robin, so that drifts of the host hit every variant alike
+            for data_name, data in (("variable", variable), ("fixed", fixed)):
+                for variant in ("eager", "layer", "full"):
+                    result = run(variant, data, args.steps, args.skip, model_name)
+                    rounds.setdefault(f"{variant}/{data_name}", []).append(result)
         results: dict[str, dict[str, Any]] = {}
-        for data_name, data in (("variable", variable), ("fixed", fixed)):
-            for variant in ("eager", "layer", "full"):
-                result = run(variant, data, args.steps, args.skip, model_name)
-                results[f"{variant}/{data_name}"] = result
-                print(f"{model_name} {variant:6s} {data_name:9s} {result['median_ms']:8.3f} ms/step"
-                      f"  total {result['total_ms']:9.1f} ms  captures {result['captures']}"
-                      f"  pool {result['pool_mib']:.0f} MiB  stage {result['stage']}"
-                      f"  replayed {result['replayed_after_skip']:.3f}", flush=True)  # fmt: skip
+        for name, runs in rounds.items():
+            result = sorted(runs, key=lambda r: r["total_ms"])[len(runs) // 2]  # the median round
+            result["rounds_total_ms"] = [r["total_ms"] for r in runs]
+            results[name] = result
+            variant, data_name = name.split("/")
+            print(f"{model_name} {variant:6s} {data_name:9s} {result['median_ms']:8.3f} ms/step"
+                  f"  total {result['total_ms']:9.1f} ms (rounds {[round(t) for t in result['rounds_total_ms']]})"
+                  f"  captures {result['captures']}  pool {result['pool_mib']:.0f} MiB  stage {result['stage']}"
+                  f"  replayed {result['replayed_after_skip']:.3f}", flush=True)  # fmt: skip
         records[model_name] = results
         tables.append(summary(model_name, results, fixed_length, args))
     table = "\n\n".join(tables)
