@@ -128,6 +128,23 @@ def test_a_failed_check_rolls_back_loudly_and_trains_on_eagerly(backend, extra, 
     assert_losses_close(eager.losses, run.losses, 1e-6)
 
 
+def test_a_parameter_rebound_mid_step_is_caught_by_the_region_that_reads_it_before_it_replays():
+    backend = FakeBackend()
+    model, data = decoder(TINY)
+
+    def rebind_on_capture_step(module, args):
+        if module.training and graph_callback(run_trainer).report.stage == Stage.CONFIRMING:
+            module.mlp.fc.weight.data = module.mlp.fc.weight.data.clone()
+
+    model.model.blocks[1].register_forward_pre_hook(rebind_on_capture_step)  # after block 0 has replayed
+    run_trainer = trainer(STEPS, [graphed(backend)], **CPU)
+    with pytest.warns(UserWarning, match="address_changed: model.blocks.1.mlp.fc.weight is not the tensor the graph"):
+        run_trainer.fit(model, data)
+    report = graph_callback(run_trainer).report
+    assert report.rollbacks == 1 and report.steps_replayed == 0, "rolled back in the step of the rebind"
+    assert_released(model, backend)
+
+
 def test_on_failure_raise_raises_on_a_failed_check_and_releases():
     backend = FakeBackend(distort={"model.blocks.0": 22.0})
     model, data = decoder(TINY)
