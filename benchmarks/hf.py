@@ -20,18 +20,13 @@ so and exits with code 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import inspect
 import json
 import math
 import os
-import platform
-import shlex
 import sys
 import time
-from collections.abc import Callable, Iterator
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.variants import Result, StepClock
+from benchmarks.run import environment as suite_environment
+from benchmarks.variants import Result, StepClock, peak_memory, timing_trainer
 from examples.gpt import TokenDataModule
 from examples.hf_causal_lm import INSTALL, HFCausalLM
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
@@ -192,21 +188,8 @@ def measure(model: str, variant: str, precision: str, steps: int, skip: int) -> 
         strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP_STEPS)
     elif variant != "eager":
         raise ValueError(f"unknown variant {variant!r}")
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    with _peak_memory() as peak:
+    trainer = timing_trainer(steps, callbacks, strategy, precision)
+    with peak_memory() as peak:
         trainer.fit(module, data)
     result = Result(variant, clock.step_times(skip), peak_mib=peak(), final_loss=float(clock.last_loss))
     losses = torch.stack(clock.losses).float().tolist() if clock.losses else []
@@ -333,27 +316,10 @@ def table(results: list[dict[str, Any]]) -> str:
 
 # =================================================================== helpers
 def environment() -> dict[str, str]:
-    """GPU, versions, date and the exact command line of this process."""
-    import lightning
+    """The benchmark suite's record of GPU, versions, date and command line, with the transformers version."""
     import transformers
 
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "lightning": lightning.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": date.today().isoformat(),
-        "command": shlex.join(sys.orig_argv),
-    }
-
-
-@contextlib.contextmanager
-def _peak_memory() -> Iterator[Callable[[], float]]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    yield lambda: torch.cuda.max_memory_allocated() / 2**20
+    return {**suite_environment(), "transformers": transformers.__version__}
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.variants import StepClock
+from benchmarks.variants import StepClock, timing_trainer
 from examples.gpt import GPTModule
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
 from lightning_cudagraph.bucketing import PadToBucket, bucket_length
@@ -100,16 +100,14 @@ def run(variant: str, data: list, steps: int, skip: int, model_name: str) -> dic
     model = build_model(model_name)
     loader = DataLoader(data, batch_size=BATCH, collate_fn=PadToBucket(buckets=BUCKETS, pad_values={1: -100}))
     clock, watch = StepClock(), Watch(graph_report)
-    options: dict[str, Any] = {"callbacks": [clock, watch]}
+    callbacks: list[pl.Callback] = [clock, watch]
+    strategy: Any = "auto"
     recapture = {"on_shape_change": "recapture", "max_graphs": len(BUCKETS)}
     if variant == "layer":
-        options["callbacks"].insert(0, CUDAGraphCallback(scope=["layer"], **recapture))
+        callbacks.insert(0, CUDAGraphCallback(scope=["layer"], **recapture))
     elif variant == "full":
-        options["strategy"] = CUDAGraphStrategy(scope=["full_iteration"], **recapture)
-    trainer = pl.Trainer(
-        max_steps=steps, accelerator="cuda", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **options,
-    )  # fmt: skip
+        strategy = CUDAGraphStrategy(scope=["full_iteration"], **recapture)
+    trainer = timing_trainer(steps, callbacks, strategy)
     trainer.fit(model, loader)
     times = clock.step_times(skip)
     report = graph_report(trainer)

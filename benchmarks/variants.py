@@ -70,6 +70,26 @@ class Result:
         return _quantile(self.step_ms, 0.25), _quantile(self.step_ms, 0.75)
 
 
+def timing_trainer(
+    steps: int, callbacks: list[pl.Callback], strategy: Any = "auto", precision: Any = "32-true"
+) -> pl.Trainer:
+    """A Trainer on one GPU that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    return pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+
+
 class StepClock(pl.Callback):
     """CUDA events at every training batch start; read once at the end."""
 
@@ -156,21 +176,8 @@ def lightning_variant(name: str, config: dict[str, Any], precision: str, steps: 
         model.model = torch.compile(model.model)
     elif name != "eager":
         raise ValueError(f"unknown Lightning variant {name!r}")
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    with _peak_memory() as peak:
+    trainer = timing_trainer(steps, callbacks, strategy, precision)
+    with peak_memory() as peak:
         trainer.fit(model, data)
     result = Result(name, clock.step_times(skip), peak_mib=peak())
     result.final_loss = float(clock.last_loss)
@@ -208,7 +215,7 @@ def pytorch_variant(name: str, config: dict[str, Any], precision: str, steps: in
 
     events: list[torch.cuda.Event] = []
     capture_ms, run = float("nan"), step
-    with _peak_memory() as peak:
+    with peak_memory() as peak:
         static_x, static_y = (t.to(device) for t in next(batches))
         for _ in range(3):
             loss = step(static_x, static_y)
@@ -342,9 +349,9 @@ def _cycle(loader: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _peak_memory() -> Iterator[Callable[[], float]]:
+def peak_memory() -> Iterator[Callable[[], float]]:
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.resetpeak_memory_stats()
     yield lambda: torch.cuda.max_memory_allocated() / 2**20
 
 
