@@ -351,7 +351,7 @@ def _cycle(loader: Any) -> Iterator[Any]:
 @contextlib.contextmanager
 def peak_memory() -> Iterator[Callable[[], float]]:
     torch.cuda.synchronize()
-    torch.cuda.resetpeak_memory_stats()
+    torch.cuda.reset_peak_memory_stats()
     yield lambda: torch.cuda.max_memory_allocated() / 2**20
 
 
