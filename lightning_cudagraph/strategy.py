@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_cudagraph._lightning import single_device_root, trainer_of
 from lightning_cudagraph.callback import CUDAGraphCallback
-from lightning_cudagraph.config import CUDAGraphConfig, takes_graph_options
+from lightning_cudagraph.config import CUDAGraphConfig, config_error, takes_graph_options
 from lightning_cudagraph.environment import ensure_graph_safe_allocator
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP, ddp_warmup_error
@@ -145,6 +145,19 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
     @override
     def root_device(self) -> torch.device:
         return self.parallel_devices[0] if self.parallel_devices else single_device_root(self)
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        if len(self.parallel_devices) > 1:  # Lightning would train on the first device alone, silently
+            scope = "auto" if self.cudagraph_config.auto_scope else list(self.cudagraph_config.scope)
+            raise config_error(
+                type(self).__name__,
+                "Trainer(devices=...)",
+                len(self.parallel_devices),
+                "one device (a single-device strategy); DDPCUDAGraphStrategy for several",
+                f"pass strategy='ddp_cudagraph' (or DDPCUDAGraphStrategy(scope={scope!r})), or devices=1",
+            )
+        super().connect(model)
 
 
 class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
