@@ -146,7 +146,7 @@ class FullStepDriver(Driver):
     def _capture(
         self, plan: CaptureStep, optimizer: torch.optim.Optimizer, run_step: Callable[[], Any], module: Any
     ) -> bool:
-        whole = plan.whole
+        whole, first = plan.whole, not self.captured_any
         self._before_first_capture()
         self._prepare(optimizer)
         self._note_memory_before_capture()
@@ -180,7 +180,8 @@ class FullStepDriver(Driver):
                 " outputs, or use a scoped capture (scope=['layer'])"
             )
             return False
-        self.state.watch((*module.named_parameters(), *module.named_buffers()))
+        if first:  # later shapes must read the same tensors: a rebind in between is caught, not re-watched
+            self.state.watch((*module.named_parameters(), *module.named_buffers()))
         rank_zero_info(f"{self.component}: captured the training step for batch {describe_batch_key(plan.key)}")
         return True
 

@@ -177,7 +177,6 @@ class ScopedDriver(Driver):
         self._uncapturable.add(batch)
         self.recorder.forget(batch)
         self.router.begin(StepRoute(fallback_reason=f"{change}; it cannot be captured: {why}"))
-        return
 
     def _capture(self, batch: tuple[Any, ...], calls: list[RecordedCall]) -> bool:
         """Capture a graph set for ``batch`` with the targets' hooks stashed; on failure roll back (or raise)."""
