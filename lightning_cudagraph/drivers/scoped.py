@@ -149,7 +149,7 @@ class ScopedDriver(Driver):
         plan = self.recorder.plan(excluded=set(), batch=batch)
         if plan.unstable is not None or not plan.calls:
             return self._not_capturable(batch, plan.unstable, plan.skipped, change, in_use)
-        self._note_skipped(plan.skipped)
+        _say_what_stays_eager(self.component, self.targets, plan.skipped)
         if not self._capture(batch, plan.calls):
             return None
         if not in_use:
@@ -276,13 +276,15 @@ class ScopedDriver(Driver):
             self.report.graphs = 0
             self.recorder.clear()  # its sample inputs are device tensors
 
-    def _note_skipped(self, skipped: dict[str, str]) -> None:
-        for name, why in skipped.items():
-            rank_zero_info(f"{self.component}: {name} stays eager: {why}")
-        for target in self.targets:
-            hooks = inner_hook_count(target.module)
-            if hooks:
-                rank_zero_warn(
-                    f"{self.component}: {hooks} hook(s) on modules inside {target.name} fire during eager steps only,"
-                    " not while it replays as a graph (hooks on the region itself keep firing)."
-                )
+
+def _say_what_stays_eager(component: str, targets: Sequence[Target], skipped: dict[str, str]) -> None:
+    """Targets left out of a capture, and hooks inside captured regions (they fire in eager steps only)."""
+    for name, why in skipped.items():
+        rank_zero_info(f"{component}: {name} stays eager: {why}")
+    for target in targets:
+        hooks = inner_hook_count(target.module)
+        if hooks:
+            rank_zero_warn(
+                f"{component}: {hooks} hook(s) on modules inside {target.name} fire during eager steps only,"
+                " not while it replays as a graph (hooks on the region itself keep firing)."
+            )
