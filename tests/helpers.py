@@ -101,6 +101,18 @@ class RaiseAtStep(pl.Callback):
             raise RuntimeError(self.message)
 
 
+class RebindAt(pl.Callback):
+    """At the end of step ``step``, gives a parameter new storage (``p.data = p.data.clone()``: same values)."""
+
+    def __init__(self, step: int, parameter: str) -> None:
+        self.step, self.parameter = step, parameter
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            weight = pl_module.get_parameter(self.parameter)
+            weight.data = weight.data.clone()
+
+
 class StepCounter(pl.Callback):
     """Counts the training batches that started (zero when the fit failed before training)."""
 

@@ -40,6 +40,20 @@ def names(pattern: str) -> list[str]:
 
 
 # =================================================================== dense Llama
+def assert_scoped_graphs_match_eager(kind: str, scope: list[str], found: dict[str, list[str]]) -> None:
+    """The scopes find ``found``, every region replays on every step after warmup, and training equals eager."""
+    callback = CUDAGraphCallback(scope=scope, warmup_steps=WARMUP)
+    graphed = fit_cuda(*hf_causal_lm(kind), STEPS, [callback])
+    report = callback.report
+    assert report.scopes == found
+    assert report.stage == Stage.REPLAYING, report.reason
+    assert report.replays == (STEPS - WARMUP) * sum(map(len, found.values()))
+    assert report.fallbacks == 0
+    assert report.parity_err < 1e-4
+    assert_losses_close(list(eager_losses(kind)), graphed.losses, TOLERANCE)
+    assert patched_forwards(graphed.model) == []
+
+
 @pytest.mark.parametrize(
     ("scope", "found"),
     [
@@ -53,16 +67,7 @@ def names(pattern: str) -> list[str]:
     ],
 )
 def test_llama_scopes_match_eager(scope, found):
-    callback = CUDAGraphCallback(scope=scope, warmup_steps=WARMUP)
-    graphed = fit_cuda(*hf_causal_lm("llama"), STEPS, [callback])
-    report = callback.report
-    assert report.scopes == found
-    assert report.stage == Stage.REPLAYING, report.reason
-    assert report.replays == (STEPS - WARMUP) * sum(map(len, found.values()))
-    assert report.fallbacks == 0
-    assert report.parity_err < 1e-4
-    assert_losses_close(list(eager_losses("llama")), graphed.losses, TOLERANCE)
-    assert patched_forwards(graphed.model) == []
+    assert_scoped_graphs_match_eager("llama", scope, found)
 
 
 def test_llama_whole_step_matches_eager():
@@ -89,16 +94,7 @@ def test_llama_whole_step_matches_eager():
     ],
 )
 def test_qwen3_moe_attention_and_routers_match_eager(scope, found):
-    callback = CUDAGraphCallback(scope=scope, warmup_steps=WARMUP)
-    graphed = fit_cuda(*hf_causal_lm("qwen3_moe"), STEPS, [callback])
-    report = callback.report
-    assert report.scopes == found
-    assert report.stage == Stage.REPLAYING, report.reason
-    assert report.replays == (STEPS - WARMUP) * sum(map(len, found.values()))
-    assert report.fallbacks == 0
-    assert report.parity_err < 1e-4
-    assert_losses_close(list(eager_losses("qwen3_moe")), graphed.losses, TOLERANCE)
-    assert patched_forwards(graphed.model) == []
+    assert_scoped_graphs_match_eager("qwen3_moe", scope, found)
 
 
 @pytest.mark.parametrize("scope", [["layer"], ["full_iteration"]], ids=["layer", "full_iteration"])

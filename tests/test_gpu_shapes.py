@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from tests.helpers import assert_losses_close, fit_cuda, graph_callback, graph_pool_bytes, patched_forwards
+from tests.helpers import RebindAt, assert_losses_close, fit_cuda, graph_callback, graph_pool_bytes, patched_forwards
 from tests.models import SMALL, decoder
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
@@ -59,28 +58,26 @@ def test_a_sealed_set_of_shapes_raises_on_a_new_one():
     assert graph_pool_bytes() == 0
 
 
-class _RebindAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            weight = pl_module.model.blocks[2].mlp.fc.weight
-            weight.data = weight.data.clone()
-
-
 @pytest.mark.parametrize("mode", ["layer", "full_iteration"])
 def test_a_parameter_rebound_after_confirmation_rolls_back_before_training_on_stale_weights(mode):
-    eager = fit_cuda(*decoder(SMALL), 20, [_RebindAt(10)], log_every_n_steps=1).losses
+    eager = fit_cuda(*decoder(SMALL), 20, [RebindAt(10, "model.blocks.2.mlp.fc.weight")], log_every_n_steps=1).losses
     if mode == "full_iteration":
         strategy = CUDAGraphStrategy(scope=[mode])
         with pytest.warns(UserWarning, match="address_changed"):
-            run = fit_cuda(*decoder(SMALL), 20, [_RebindAt(10)], strategy=strategy, log_every_n_steps=1)
+            run = fit_cuda(
+                *decoder(SMALL),
+                20,
+                [RebindAt(10, "model.blocks.2.mlp.fc.weight")],
+                strategy=strategy,
+                log_every_n_steps=1,
+            )
         report = graph_callback(run.trainer).report
     else:
         callback = CUDAGraphCallback(scope=[mode])
         with pytest.warns(UserWarning, match="address_changed: model.blocks.2"):
-            run = fit_cuda(*decoder(SMALL), 20, [callback, _RebindAt(10)], log_every_n_steps=1)
+            run = fit_cuda(
+                *decoder(SMALL), 20, [callback, RebindAt(10, "model.blocks.2.mlp.fc.weight")], log_every_n_steps=1
+            )
         report = callback.report
     assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1)
     assert_losses_close(eager, run.losses, 1e-4)

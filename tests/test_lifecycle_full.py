@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 
 from lightning_cudagraph import CUDAGraphStrategy, Stage
 from tests.fake_backend import FakeBackend
-from tests.helpers import RaiseAtStep, assert_losses_close, fit, graph_callback, patched_forwards, trainer
+from tests.helpers import RaiseAtStep, RebindAt, assert_losses_close, fit, graph_callback, patched_forwards, trainer
 from tests.models import TINY, DecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -169,18 +169,16 @@ def test_a_sealed_whole_step_raises_on_a_new_shape():
         fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), strategy=strategy, **CPU)
 
 
-class _RebindAfterConfirmation(pl.Callback):
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == WARMUP + 4:
-            weight = pl_module.model.head.weight
-            weight.data = weight.data.clone()
-
-
 def test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay():
     backend = FakeBackend()
     with pytest.warns(UserWarning, match="rolled back to eager training: address_changed"):
         run = fit(
-            *decoder(TINY), 12, [_RebindAfterConfirmation()], strategy=whole_step(backend), log_every_n_steps=2, **CPU
+            *decoder(TINY),
+            12,
+            [RebindAt(WARMUP + 4, "model.head.weight")],
+            strategy=whole_step(backend),
+            log_every_n_steps=2,
+            **CPU,
         )
     report = graph_callback(run.trainer).report
     assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1)

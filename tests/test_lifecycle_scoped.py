@@ -16,7 +16,7 @@ from torchmetrics import MeanMetric
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
 from tests.fake_backend import FakeBackend
-from tests.helpers import RaiseAtStep, assert_losses_close, fit, graph_callback, patched_forwards, trainer
+from tests.helpers import RaiseAtStep, RebindAt, assert_losses_close, fit, graph_callback, patched_forwards, trainer
 from tests.models import TINY, DecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -240,21 +240,17 @@ def test_a_sealed_set_of_shapes_raises_on_a_new_shape_and_names_the_captured_one
         fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), [callback], **CPU)
 
 
-class _RebindAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            weight = pl_module.model.blocks[1].attn.qkv.weight
-            weight.data = weight.data.clone()
-
-
 def test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay():
     backend = FakeBackend()
     callback = graphed(backend)
     with pytest.warns(UserWarning, match="rolled back to eager training: address_changed: model.blocks.1.attn.qkv"):
-        run = fit(*decoder(TINY), 12, [callback, _RebindAt(WARMUP + 4)], log_every_n_steps=2, **CPU)
+        run = fit(
+            *decoder(TINY),
+            12,
+            [callback, RebindAt(WARMUP + 4, "model.blocks.1.attn.qkv.weight")],
+            log_every_n_steps=2,
+            **CPU,
+        )
     assert callback.report.rollbacks == 1 and callback.report.stage == Stage.DISABLED
     assert callback.report.steps_replayed >= 3, "the graphs were confirmed and replaying before the rebind"
     assert_released(run.model, backend)

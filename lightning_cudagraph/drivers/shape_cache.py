@@ -62,10 +62,6 @@ class ShapeCache(Generic[T]):
             self._warn_if_thrashing()
         self._items[key] = item
 
-    def discard(self, key: tuple[Any, ...]) -> None:
-        """Drop ``key`` without resetting (its capture failed)."""
-        self._items.pop(key, None)
-
     def seal(self) -> None:
         """Close the set of shapes: no eviction, and any other shape is an error."""
         self.sealed = True
