@@ -18,6 +18,32 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 METRIC_PREFIX = "cudagraph/"
+#: ``cudagraph/level``: each rung of ``scope="auto"`` 's ladder has a fixed number, so dashboards compare across
+#: models (a rung a model lacks is skipped, not renumbered); 0 while no level runs on graphs.
+LEVEL_NUMBERS = {"attn": 1, "attn+mlp": 2, "layer": 3, "full_iteration": 4}
+
+
+@dataclass
+class LevelRecord:
+    """One rung of ``scope="auto"`` 's ladder, as tried: what it measured and what became of it.
+
+    Attributes:
+        level: ``attn``, ``attn+mlp``, ``layer`` or ``full_iteration``.
+        status: ``kept`` (the level training settled on), ``slower`` (confirmed, not faster by the margin),
+            ``failed`` (capture or confirmation failed; ``reason`` says why), ``skipped`` (not tried; ``reason``)
+            ``trying`` (on it now) or ``planned`` (not reached yet).
+        step_ms: Median step time measured on the level (``nan`` if not measured).
+        capture_ms: Host time of the level's captures, warmup included.
+        steps: Training steps spent on the level while the ladder was walked.
+        reason: Why a level failed or was skipped.
+    """
+
+    level: str
+    status: str = "planned"
+    step_ms: float = math.nan
+    capture_ms: float = 0.0
+    steps: int = 0
+    reason: str | None = None
 
 
 class Stage(IntEnum):
@@ -57,6 +83,11 @@ class CUDAGraphReport:
             inputs, measured during confirmation.
         memory_before_capture: ``torch.cuda.memory_allocated()`` right before the first capture, in bytes.
         nonfinite: Non-finite losses seen, as ``(first step, count)`` per detection.
+        level: The level graphs run at (``attn``, ``attn+mlp``, ``layer``, ``full_iteration``); with a fixed
+            scope, ``None``. Logged as ``cudagraph/level``, the rung's number in :data:`LEVEL_NUMBERS`.
+        ladder: The levels ``scope="auto"`` tried, in order, with their step times and outcomes.
+        exclusions: Regions left eager, by qualified name, with the reason (a failed capture or parity check).
+        capture_ms_total: Host time of every capture of the fit, summed (the ladder's captures included).
     """
 
     stage: Stage = Stage.WARMUP
@@ -79,6 +110,10 @@ class CUDAGraphReport:
     parity_err: float = math.nan
     memory_before_capture: int | None = None
     nonfinite: list[tuple[int, int]] = field(default_factory=list)
+    level: str | None = None
+    ladder: list[LevelRecord] = field(default_factory=list)
+    exclusions: dict[str, str] = field(default_factory=dict)
+    capture_ms_total: float = 0.0
 
     @property
     def speedup(self) -> float:
@@ -115,6 +150,8 @@ class CUDAGraphReport:
             "eager_step_ms": self.eager_step_ms,
             "speedup": self.speedup,
             "parity_err": self.parity_err,
+            "level": float(LEVEL_NUMBERS.get(self.level or "", 0)) if self.ladder else math.nan,
+            "capture_ms_total": self.capture_ms_total if self.captures else math.nan,
         }
         return {METRIC_PREFIX + key: value for key, value in values.items() if not math.isnan(value)}
 

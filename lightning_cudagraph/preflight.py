@@ -7,6 +7,7 @@ Each rule raises ``ValueError`` (component, value, allowed values, fix). The Tra
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
@@ -20,10 +21,10 @@ from lightning.pytorch.plugins.precision import (
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
 from lightning_cudagraph._lightning import anomaly_detection_on
-from lightning_cudagraph.config import SCOPES, CUDAGraphConfig, config_error
+from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig, config_error
 from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
 from lightning_cudagraph.hooks import hooked_modules
-from lightning_cudagraph.scopes import ScopeResolution, Target, resolve_scopes
+from lightning_cudagraph.scopes import Target, resolve_scopes
 
 #: Eager DDP steps NCCL needs before the all-reduce can be captured (PyTorch's CUDA-graph notes).
 DDP_FULL_ITERATION_MIN_WARMUP = 11
@@ -65,24 +66,39 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
         )
 
 
-def check_auto_overrides(
-    config: CUDAGraphConfig, module: pl.LightningModule, resolution: ScopeResolution, component: str
-) -> None:
-    """Under ``scope="auto"``: every ``modules=`` override must find modules, and custom scopes must be named."""
-    if not config.auto_scope:
-        return
-    custom = [name for name in config.modules if name not in SCOPES]
-    if custom:
-        raise config_error(
-            component,
-            "modules",
-            custom,
-            "custom scopes together with a scope list that names them",
-            f"pass scope={custom!r} (plus any built-in scopes you want), since scope='auto' picks among the built-in"
-            " scopes only",
-        )
+def check_auto_overrides(config: CUDAGraphConfig, module: pl.LightningModule, component: str) -> None:
+    """Under ``scope="auto"``: every ``modules=`` override must find modules (custom scopes join every level)."""
     for name in config.modules:
         resolve_scopes(module, [name], config.modules, component)  # raises if the override matches nothing
+
+
+def full_step_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
+    """Under ``scope="auto"``: why the whole step cannot be one of the levels of this fit, or ``None``.
+
+    The rules of ``scope=["full_iteration"]`` apply, except the eager steps DDP needs: by the time the ladder
+    reaches the whole step, they have run.
+    """
+    if not getattr(trainer.strategy, "supports_full_iteration", False):
+        return "only the package's strategies capture the whole step: Trainer(strategy='cudagraph')"
+    whole = dataclasses.replace(config, scope=(FULL_ITERATION,), warmup_steps=DDP_FULL_ITERATION_MIN_WARMUP)
+    module = trainer.lightning_module
+    try:
+        check_trainer(whole, trainer, module, "scope='auto'")
+        check_full_iteration_hooks(whole, module, "scope='auto'")
+    except ValueError as error:
+        return str(error)
+    if config.impl != "local":
+        return f"impl={config.impl!r} captures scoped regions only"
+    return None
+
+
+def full_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
+    """Under ``scope="auto"``: why the optimizers rule the whole step out, or ``None`` (checked once they exist)."""
+    try:
+        check_optimizers(dataclasses.replace(config, scope=(FULL_ITERATION,)), trainer, "scope='auto'")
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def check_full_iteration_hooks(config: CUDAGraphConfig, module: pl.LightningModule, component: str) -> None:

@@ -20,14 +20,18 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph import preflight
+from lightning_cudagraph.agreement import RankAgreement
+from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver
-from lightning_cudagraph.drivers.full_step import FullStepDriver
+from lightning_cudagraph.drivers.full_step import FullStepDriver, eager_step
+from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
 from lightning_cudagraph.health import CUDAGraphReport, Stage, StepTimer, log_to_loggers, median
-from lightning_cudagraph.scopes import ScopeResolution, candidate_names, resolve_scopes
+from lightning_cudagraph.ladder import Rung, build_rungs, replacement_parts
+from lightning_cudagraph.scopes import ScopeResolution, Target, candidate_names, resolve_scopes
 from lightning_cudagraph.signature import batch_key
 from lightning_cudagraph.stages import StageMachine
 
@@ -49,8 +53,12 @@ class Rollout:
         self.resolution = ScopeResolution()
         self.backend = backend
         self.driver: Driver | None = None
+        #: ``scope="auto"``: the ladder of levels and its walk (``None`` for a fixed scope).
+        self.climb: Climb | None = None
+        self._parts: dict[str, tuple[Target, ...]] = {}
         self._timer = StepTimer(use_cuda=False)
         self._eager_times: list[float] = []
+        self._eager_noted = False
         self._last_logged = -1
         self._sealed = False
 
@@ -72,23 +80,44 @@ class Rollout:
             return
         with self._refusals_disable():
             preflight.check_trainer(self.config, trainer, module, self.component)
-            if not self.config.full_iteration:
+            if self.config.auto_scope:
+                preflight.check_auto_overrides(self.config, module, self.component)
+                rungs = build_rungs(module, self.config.modules, preflight.full_step_problem(self.config, trainer))
+                self.climb = Climb(self._checked_rungs(rungs), self.report, self.component)
+                self.report.scopes = {row.level: [] for row in self.report.ladder if row.status != "skipped"}
+            elif not self.config.full_iteration:
                 self.resolution = resolve_scopes(module, self.config.scope, self.config.modules, self.component)
-                preflight.check_auto_overrides(self.config, module, self.resolution, self.component)
                 preflight.check_targets(self.resolution.targets, self.component)
         if self.config.full_iteration:
             self.report.scopes = {"full_iteration": ["<training step>"]}
-        else:
-            self.report.scopes = self.resolution.matched
-            if not self.resolution.targets:
+        elif self.climb is not None:
+            if self.climb.ladder.current is None:
                 self.machine.disable(
                     "no_targets",
-                    detail="scope='auto' found no attention, MLP or layer modules; modules include"
-                    f" {candidate_names(module)}. Pass scope=[...] with modules={{...}} to choose some",
+                    detail="scope='auto' found no attention, MLP or layer modules and cannot capture the whole step"
+                    f" ({self.climb.ladder.describe()}); modules include {candidate_names(module)}. Pass"
+                    " scope=[...] with modules={...} to choose some",
                 )
                 return
+            self.report.scopes = {rung.name: [t.name for t in rung.targets] for rung in self.climb.rungs}
+            rank_zero_info(f"{self.component}: scope='auto' will try {self.climb.ladder.describe()}")
+        else:
+            self.report.scopes = self.resolution.matched
             rank_zero_info(f"{self.component}: {self.resolution.summary()}")
+        if self.climb is not None and self.config.impl == "local":  # the layer level narrows to parts (TE: no)
+            self._parts = replacement_parts(module, self.climb.scoped_targets, self.config.modules)
         self.backend = self.backend or default_backend(trainer.strategy.root_device)
+
+    def _checked_rungs(self, rungs: list[Rung]) -> list[Rung]:
+        """Rungs whose regions a capture cannot hold (activation checkpointing) are skipped, with the reason."""
+        checked = []
+        for rung in rungs:
+            try:
+                preflight.check_targets(rung.targets, self.component)
+            except ValueError as error:
+                rung = Rung(rung.name, unavailable=str(error))
+            checked.append(rung)
+        return checked
 
     def fit_start(self, trainer: pl.Trainer) -> None:
         """Check the optimizers, then pick the driver, or turn graphs off when there is no device to capture on."""
@@ -97,6 +126,8 @@ class Rollout:
         with self._refusals_disable():
             preflight.check_optimizers(self.config, trainer, self.component)
             preflight.check_full_iteration_hooks(self.config, trainer.lightning_module, self.component)
+        if self.climb is not None:
+            self.climb.check_full_step(preflight.full_step_optimizer_problem(self.config, trainer))
         if self.backend is None:
             self.machine.disable(
                 "no_cuda",
@@ -105,18 +136,28 @@ class Rollout:
             )
             return
         self._timer = self.backend.timer()
-        self.driver = self._driver_for(trainer, self.backend)
+        self.machine.agreement = RankAgreement(trainer.strategy.root_device)
+        if self.climb is not None:
+            self.climb.attach(self, trainer)
+        else:
+            self.driver = self.driver_for(
+                trainer, self.config.full_iteration, [t.name for t in self.resolution.targets]
+            )
         self.driver.before_first_capture = self._note_eager_time
 
-    def _driver_for(self, trainer: pl.Trainer, backend: CaptureBackend) -> Driver:
-        collaborators = (self.config, self.component, backend, self.machine)
-        if self.config.full_iteration:
+    def driver_for(self, trainer: pl.Trainer, full_step: bool, active: list[str]) -> Driver:
+        """A driver for the whole step, or for scoped regions with ``active`` targets captured."""
+        collaborators = (self.config, self.component, self.backend, self.machine)
+        if full_step:
             return FullStepDriver(*collaborators)
+        patched = self.climb.scoped_targets if self.climb is not None else self.resolution.targets
+        patched = _with_parts(patched, self._parts)
+        regions = RegionSet(patched, active, self._parts, self.report, self.component)
         if self.config.impl == "transformer_engine":
             from lightning_cudagraph.drivers.te_scoped import TEScopedDriver
 
-            return TEScopedDriver(trainer, self.resolution.targets, *collaborators)
-        return ScopedDriver(self.resolution.targets, *collaborators)
+            return TEScopedDriver(trainer, regions, *collaborators)
+        return ScopedDriver(regions, *collaborators)
 
     def train_start(self, trainer: pl.Trainer) -> None:
         """Move training onto the backend's stream and start eager stabilization."""
@@ -133,15 +174,21 @@ class Rollout:
         if self.active and isinstance(self.driver, ScopedDriver):
             self.driver.begin_step(trainer.global_step, batch_key(batch), trainer.accumulate_grad_batches > 1)
         self._timer.start()
+        if self.climb is not None:
+            self.climb.step_started()
 
     def batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any) -> None:
-        """Close the step: confirmation checks, stage changes, metrics."""
+        """Close the step: confirmation checks, stage changes, metrics; then the ladder's move, if one is due."""
         self._timer.stop()
         if self.driver is not None:
             self.driver.end_step(outputs)
             if self.machine.stage == Stage.WARMUP:
                 self.machine.warmup_losses.observe(outputs)
+        if self.climb is not None:
+            self.climb.step_ended()
         self._maybe_log(trainer, module)
+        if self.climb is not None:
+            self.climb.move_if_due()
 
     def abandon_step(self) -> None:
         """Close a training batch that never reached ``on_train_batch_end`` (``on_train_batch_start`` returned -1)."""
@@ -161,7 +208,7 @@ class Rollout:
     def run_full_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """Carry out the planned step."""
         if not isinstance(self.driver, FullStepDriver):
-            return run_step()
+            return eager_step(run_step)  # with ``scope="auto"``, the optimizer may be capturable already
         return self.driver.run(trainer, closure, optimizer, run_step)
 
     def on_training_step_output(self, output: Any) -> None:
@@ -191,6 +238,8 @@ class Rollout:
     def release(self) -> None:
         """Free every graph and restore everything patched (idempotent; called on every exit path)."""
         try:
+            if self.climb is not None:
+                self.climb.release()
             if self.driver is not None:
                 self.driver.release()
         finally:  # whatever a reset raised, training goes back to the stream it came from
@@ -205,9 +254,12 @@ class Rollout:
     # ------------------------------------------------------------------ timing and logging
     def _note_eager_time(self) -> None:
         """Right before the first capture: the eager step times so far (one host sync, at capture)."""
+        if self._eager_noted:
+            return
+        self._eager_noted = True
         self._eager_times.extend(self._timer.read())
         times = self._eager_times[1:] if len(self._eager_times) > 1 else self._eager_times
-        self.report.eager_step_ms = median(times)
+        self.report.eager_step_ms = self.machine.agreement.slowest(median(times))
 
     def _maybe_log(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -219,6 +271,8 @@ class Rollout:
         self.flush(trainer, step)
         if trainer.progress_bar_callback is not None:
             bar = {"cudagraph/stage": float(self.stage)}
+            if self.climb is not None:
+                bar["cudagraph/level"] = self.report.metrics().get("cudagraph/level", 0.0)
             if not math.isnan(self.report.speedup):
                 bar["cudagraph/speedup"] = round(self.report.speedup, 2)
             module.log_dict({k: torch.tensor(v) for k, v in bar.items()}, prog_bar=True, logger=False)
@@ -230,7 +284,7 @@ class Rollout:
                 return
             self._last_logged = step = trainer.global_step
         times = self._timer.read()
-        if self.stage == Stage.WARMUP:
+        if self.stage == Stage.WARMUP and not self._eager_noted:
             self._eager_times.extend(times)
         elif times:
             self.report.step_ms = median(times)
@@ -244,3 +298,13 @@ class Rollout:
         except ValueError as error:
             self.machine.disable(f"invalid_configuration: {error}", warn=False)
             raise
+
+
+def _with_parts(targets: list[Target], parts: dict[str, tuple[Target, ...]]) -> list[Target]:
+    """The targets and the parts that may replace them, each once, parents before their parts."""
+    patched: dict[str, Target] = {}
+    for target in targets:
+        patched.setdefault(target.name, target)
+        for part in parts.get(target.name, ()):
+            patched.setdefault(part.name, part)
+    return list(patched.values())

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from lightning_cudagraph.config import AUTO, FULL_ITERATION, Selector, config_error
+from lightning_cudagraph.config import FULL_ITERATION, Selector, config_error
 
 _LAYER_CONTAINERS = frozenset({"layers", "layer", "h", "blocks", "block", "decoder_layers", "encoder_layers"})
 _LAYER_CLASSES = frozenset({"TransformerLayer"})
@@ -142,9 +142,6 @@ BUILTIN_RULES: dict[str, Callable[[_Site], bool]] = {
     "layer": _layer,
 }
 
-#: The order in which ``scope="auto"`` tries scopes: the narrowest one that finds modules wins.
-AUTO_ORDER = ("attn", "mlp", "layer")
-
 
 @dataclass(frozen=True)
 class Target:
@@ -162,14 +159,11 @@ class ScopeResolution:
     targets: list[Target] = field(default_factory=list)
     matched: dict[str, list[str]] = field(default_factory=dict)
     nested: dict[str, str] = field(default_factory=dict)
-    chosen_by_auto: str | None = None
 
     def summary(self) -> str:
         """One line a user can read: modules per scope, and the regions folded into an enclosing one."""
         parts = [f"{scope}: {len(names)} ({_abbreviate(names)})" for scope, names in self.matched.items()]
         text = "; ".join(parts) if parts else "no modules"
-        if self.chosen_by_auto:
-            text = f"auto chose {self.chosen_by_auto!r}; {text}"
         if self.nested:
             text += f"; {len(self.nested)} nested match(es) folded into their enclosing region"
         return text
@@ -185,7 +179,7 @@ def resolve_scopes(
 
     Args:
         model: The LightningModule (never captured itself).
-        scope: Scope names, or ``("auto",)``.
+        scope: Scope names (``scope="auto"`` is resolved rung by rung: :mod:`lightning_cudagraph.ladder`).
         overrides: Per-scope selectors that replace the built-in patterns (or define new scopes).
         component: Named in error messages.
 
@@ -204,13 +198,6 @@ def resolve_scopes(
     """
     overrides = overrides or {}
     sites = _sites(model)
-    if tuple(scope) == (AUTO,):
-        for candidate in AUTO_ORDER:
-            resolution = _resolve(sites, [candidate], overrides)
-            if resolution.targets:
-                resolution.chosen_by_auto = candidate
-                return resolution
-        return ScopeResolution()
     requested = [s for s in scope if s != FULL_ITERATION]
     resolution = _resolve(sites, requested, overrides)
     for name in requested:
@@ -235,6 +222,24 @@ def resolve_scopes(
             f" {candidate_names(model)}. Fix: drop {name!r}{hint}, or pass modules={{{name!r}: 'a.glob.*.name'}}"
             " (a glob, an nn.Module class or a predicate)."
         )
+    return resolution
+
+
+def resolve_present(
+    model: nn.Module, scope: Sequence[str], overrides: Mapping[str, Sequence[Selector]] | None = None
+) -> ScopeResolution:
+    """Like :func:`resolve_scopes`, for the scopes that match modules; the others are left out, not an error.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> model = nn.Module()
+        >>> model.blocks = nn.ModuleList([nn.Module()])
+        >>> model.blocks[0].attn = nn.Linear(4, 4)
+        >>> [t.name for t in resolve_present(model, ["attn", "mamba"]).targets]
+        ['blocks.0.attn']
+    """
+    resolution = _resolve(_sites(model), scope, overrides or {})
+    resolution.matched = {name: found for name, found in resolution.matched.items() if found}
     return resolution
 
 

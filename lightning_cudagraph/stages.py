@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph._lightning import step_loss
+from lightning_cudagraph.agreement import RankAgreement
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 
 
@@ -71,6 +72,11 @@ class StageMachine:
         self.component = component
         self.on_failure = on_failure
         self._release = release
+        #: Every decision below is taken once for all ranks (a no-op in a single process).
+        self.agreement = RankAgreement(torch.device("cpu"))
+        #: Offered a failure before it becomes a rollback; returns whether it handled it (``scope="auto"`` goes
+        #: back to the best level confirmed before the one that failed).
+        self.on_level_failure: Callable[[str], bool] | None = None
         self.warmup_losses = LossWatch()
         self.confirm_losses = LossWatch()
         self._write(Stage.WARMUP)
@@ -88,7 +94,7 @@ class StageMachine:
     # ------------------------------------------------------------------ stage 2: eager stabilization
     def warmup_was_finite(self) -> bool:
         """The decision that ends warmup (one host sync): were the eager losses finite? If not, stay eager."""
-        if not self.warmup_losses.any_nonfinite():
+        if self.agreement.all_ok(not self.warmup_losses.any_nonfinite()):
             return True
         self.disable(
             "nonfinite_warmup",
@@ -105,7 +111,8 @@ class StageMachine:
 
     def confirm(self, graphs: int, nonfinite_first_step: int | None = None) -> None:
         """End confirmation (one host sync for the losses): replay from now on, or roll back."""
-        if nonfinite_first_step is not None or self.confirm_losses.any_nonfinite():
+        finite = nonfinite_first_step is None and not self.confirm_losses.any_nonfinite()
+        if not self.agreement.all_ok(finite):
             where = f" (first at step {nonfinite_first_step})" if nonfinite_first_step is not None else ""
             self.rollback(f"nonfinite_loss: a loss was not finite during confirmation{where}")
             return
@@ -115,6 +122,8 @@ class StageMachine:
     # ------------------------------------------------------------------ giving graphs up
     def rollback(self, reason: str, error: BaseException | None = None) -> None:
         """A check failed: release, count it, then warn and go on eagerly, or raise (``on_failure="raise"``)."""
+        if self.on_level_failure is not None and self.on_level_failure(reason):
+            return
         self.report.rollbacks += 1
         self.report.rollback_reasons.append(reason)
         self._give_up(f"rollback: {reason}")
@@ -135,6 +144,11 @@ class StageMachine:
         self._stage = Stage.DISABLED
         self.report.stage, self.report.reason = Stage.DISABLED, reason
         self._release()
+
+    def begin_level(self) -> None:
+        """``scope="auto"`` moves to another level: its capture is ahead, as at the end of warmup."""
+        self.warmup_losses = LossWatch()
+        self._write(Stage.WARMUP)
 
     def _write(self, stage: Stage) -> None:
         self._stage = stage

@@ -57,7 +57,7 @@ class _CUDAGraphStrategyMixin:
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         rollout = self.rollout
-        if rollout is not None and rollout.config.full_iteration and self.lightning_module is not None:
+        if rollout is not None and self.lightning_module is not None:  # whole steps: fixed, or a level of auto
             batch = rollout.plan_full_step(self.lightning_module.trainer, batch)
         return batch
 
@@ -79,7 +79,7 @@ class _CUDAGraphStrategyMixin:
     ) -> Any:
         rollout = self.rollout
         run_step = lambda: super(_CUDAGraphStrategyMixin, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
-        if rollout is None or not rollout.config.full_iteration:
+        if rollout is None:
             return run_step()
         return rollout.run_full_step(self.lightning_module.trainer, closure, optimizer, run_step)
 

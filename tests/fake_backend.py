@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.graphs.backend import CaptureBackend, Region, RegionCapture, StepGraph
+from lightning_cudagraph.graphs.backend import CaptureBackend, RegionCapture, RegionCaptures, StepGraph
 from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.health import StepTimer
 from lightning_cudagraph.hooks import hooks_stashed
@@ -105,6 +105,23 @@ class FakeOptimizer:
         self.restored = True
 
 
+class FakeTimer(StepTimer):
+    """Step times that the test decides: ``step_ms(backend)`` when a step ends, from what is captured then."""
+
+    def __init__(self, backend: FakeBackend) -> None:
+        super().__init__(use_cuda=False)
+        self._backend, self._times = backend, []
+
+    def stop(self) -> None:
+        if self._open is not None:
+            self._open = None
+            self._times.append(self._backend.step_ms(self._backend))
+
+    def read(self) -> list[float]:
+        times, self._times = self._times, []
+        return times
+
+
 @dataclass
 class FakeBackend(CaptureBackend):
     """Records every request; ``fail_capture`` makes captures raise, ``distort`` corrupts named regions' replays.
@@ -112,14 +129,23 @@ class FakeBackend(CaptureBackend):
     Attributes:
         device: The device training runs on (the CPU).
         fail_capture: Raised by every capture when set.
+        fail_step: Raised by whole-step captures only.
+        fail_regions: Region name (or a prefix ending in ``.``) -> error its capture raises; as with the CUDA
+            backend, the pass ends there and reports it.
         distort: Region name -> factor its replays are scaled by (a wrong graph).
         mib_per_graph: What each live graph counts towards the pool.
+        step_ms: When set, the step time the timer reports for a step, from the backend's state at its end (live
+            regions and steps); otherwise host time.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     fail_capture: Exception | None = None
+    fail_step: Exception | None = None
+    fail_regions: dict[str, Exception] = field(default_factory=dict)
     distort: dict[str, float] = field(default_factory=dict)
     mib_per_graph: float = 1.0
+    step_ms: Callable[[FakeBackend], float] | None = None
+    pools: int = 1
     entered: bool = False
     capturing: bool = False
     releases: int = 0
@@ -139,23 +165,35 @@ class FakeBackend(CaptureBackend):
 
     def capture_regions(
         self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
-    ) -> list[Region]:
+    ) -> RegionCaptures:
         self.capturing = True
         try:
             if self.fail_capture is not None:
                 raise self.fail_capture
             for call in calls:  # like a capture, run each call once (its hooks must have been stashed)
+                error = self._region_failure(call.name)
+                if error is not None:  # like the CUDA backend: the pass ends, its pool is not used again
+                    return RegionCaptures(failed={call.name: error})
                 args, kwargs = rebuild_call(call.signature, call.samples)
                 call.forward(*args, **kwargs)
         finally:
             self.capturing = False
         regions = [FakeRegion(call, self.distort.get(call.name, 1.0)) for call in calls]
         self.regions.extend(regions)
-        return regions
+        return RegionCaptures(regions)
+
+    def _region_failure(self, name: str) -> Exception | None:
+        for pattern, error in self.fail_regions.items():
+            if name == pattern or (pattern.endswith(".") and name.startswith(pattern)):
+                return error
+        return None
+
+    def renew_pool(self) -> None:
+        self.pools += 1
 
     def capture_step(self, body: Callable[[], None]) -> StepGraph:
-        if self.fail_capture is not None:
-            raise self.fail_capture
+        if self.fail_capture is not None or self.fail_step is not None:
+            raise self.fail_capture or self.fail_step
         self.capturing = True
         try:
             graph = FakeStepGraph(body)
@@ -177,11 +215,16 @@ class FakeBackend(CaptureBackend):
         return 0
 
     def timer(self) -> StepTimer:
-        return StepTimer(use_cuda=False)
+        return FakeTimer(self) if self.step_ms is not None else StepTimer(use_cuda=False)
 
     def release(self) -> None:
         self.releases += 1
         self.leave()
+
+    @property
+    def live_region_names(self) -> list[str]:
+        """Names of the regions captured and not reset."""
+        return [region.name for region in self.regions if region.live]
 
     @property
     def live_graphs(self) -> int:

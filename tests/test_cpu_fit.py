@@ -178,16 +178,9 @@ def test_impl_none_turns_everything_off_without_warning(tmp_path):
     assert package_messages(caught) == []
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        pytest.param(lambda: {"callbacks": [CUDAGraphCallback()]}, id="callback"),
-        pytest.param(lambda: {"strategy": "cudagraph"}, id="strategy"),
-    ],
-)
-def test_auto_scope_without_targets_warns_and_trains(tmp_path, options):
+def test_auto_scope_without_targets_warns_and_trains(tmp_path):
     model = PlainModule()
-    trainer = cpu_trainer(tmp_path, MAX_STEPS, **options())
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, callbacks=[CUDAGraphCallback()])
     caught = fit_recording_warnings(trainer, model)
 
     assert trainer.state.finished
@@ -199,6 +192,21 @@ def test_auto_scope_without_targets_warns_and_trains(tmp_path, options):
     assert len(warned) == 1, package_messages(caught)
     assert "net" in warned[0], "the warning should name the model's modules so the user can pick some"
     assert messages(caught, "no_cuda") == [], "one warning says why graphs are off, not two"
+
+
+def test_auto_through_the_strategy_still_has_the_whole_step_on_a_model_without_regions(tmp_path):
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, strategy="cudagraph")
+    caught = fit_recording_warnings(trainer, PlainModule())
+
+    report = graph_callback(trainer).report
+    assert [(row.level, row.status) for row in report.ladder] == [
+        ("attn", "skipped"),
+        ("attn+mlp", "skipped"),
+        ("layer", "skipped"),
+        ("full_iteration", "planned"),
+    ]
+    assert (report.stage, report.reason) == (Stage.DISABLED, "no_cuda")  # on a GPU, the whole step is captured
+    assert len(messages(caught, "no_cuda")) == 1, package_messages(caught)
 
 
 @pytest.mark.parametrize(

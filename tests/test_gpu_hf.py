@@ -116,3 +116,19 @@ def test_qwen3_moe_experts_roll_back_loudly_and_train_eagerly(scope):
     assert len(graphed.losses) == STEPS
     assert_losses_close(list(eager_losses("qwen3_moe")), graphed.losses, TOLERANCE)
     assert patched_forwards(graphed.model) == []
+
+
+# =================================================================== scope="auto"
+def test_qwen3_moe_auto_narrows_layers_to_their_dense_parts_and_keeps_graphs():
+    run = fit_cuda(*hf_causal_lm("qwen3_moe"), 3 * STEPS, strategy=CUDAGraphStrategy(warmup_steps=WARMUP))
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.ladder
+    layers = names("model.model.layers.{}")
+    assert set(report.exclusions) == set(layers), report.exclusions
+    assert all("Cannot copy between CPU and CUDA" in why for why in report.exclusions.values())
+    assert all("its parts are captured instead" in report.exclusions[layer] for layer in layers)
+    statuses = {row.level: (row.status, row.reason or "") for row in report.ladder}
+    assert statuses["full_iteration"][0] == "failed" and "Cannot copy" in statuses["full_iteration"][1]
+    assert report.level in {"attn", "attn+mlp", "layer"}
+    assert_losses_close(list(eager_losses("qwen3_moe")), run.losses[:STEPS], TOLERANCE)
+    assert patched_forwards(run.model) == []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_cudagraph import CUDAGraphReport, Stage
-from lightning_cudagraph.health import StepTimer, median
+from lightning_cudagraph.health import LEVEL_NUMBERS, LevelRecord, StepTimer, median
 
 DESIGN_METRICS = {
     "cudagraph/stage",
@@ -23,7 +23,7 @@ DESIGN_METRICS = {
     "cudagraph/rollbacks",
 }
 #: Added for batches whose shape changes (the design's keys stay as they are).
-SHAPE_METRICS = {"cudagraph/captures", "cudagraph/evictions", "cudagraph/hit_rate"}
+SHAPE_METRICS = {"cudagraph/captures", "cudagraph/evictions", "cudagraph/hit_rate", "cudagraph/capture_ms_total"}
 
 
 def replaying_report() -> CUDAGraphReport:
@@ -55,6 +55,16 @@ def test_metrics_of_a_replaying_report_are_exactly_the_design_keys_as_floats():
     assert metrics["cudagraph/stage"] == 2.0
     assert metrics["cudagraph/replays"] == 120.0
     assert metrics["cudagraph/speedup"] == pytest.approx(1.5)
+
+
+def test_the_level_is_logged_under_auto_only_as_its_fixed_rung_number():
+    report = replaying_report()
+    assert "cudagraph/level" not in report.metrics()  # a fixed scope has no ladder
+    report.ladder = [LevelRecord("attn", status="slower", step_ms=9.0), LevelRecord("layer", status="kept")]
+    report.level = "layer"
+    assert report.metrics()["cudagraph/level"] == float(LEVEL_NUMBERS["layer"])
+    report.level = None  # rolled back: no level runs on graphs
+    assert report.metrics()["cudagraph/level"] == 0.0
 
 
 def test_metrics_before_anything_is_measured_leave_out_nan_values():

@@ -108,7 +108,9 @@ class _Unfreeze(pl.Callback):
 @pytest.mark.parametrize(
     ("backend", "extra", "reason"),
     [
-        pytest.param(FakeBackend(distort={"model.blocks.1": 22.0}), [], "parity", id="wrong-graph"),
+        pytest.param(
+            FakeBackend(distort={f"model.blocks.{i}": 22.0 for i in range(LAYERS)}), [], "parity", id="wrong-graphs"
+        ),
         pytest.param(FakeBackend(fail_capture=RuntimeError("capture broke")), [], "capture_failed", id="capture"),
         pytest.param(FakeBackend(), [_RebindInside(step=WARMUP)], "address_changed", id="rebound-parameter"),
         pytest.param(FakeBackend(), [_Unfreeze(step=WARMUP + 3)], "trainable_changed", id="unfrozen-parameter"),
@@ -409,9 +411,12 @@ class _SealAndBreak(pl.Callback):
 def test_sealing_checks_every_captured_shape_against_eager_once_more():
     backend = FakeBackend()
     callback = graphed(backend)
-    with pytest.warns(UserWarning, match="rolled back to eager training: parity"):
+    with pytest.warns(UserWarning, match="model.blocks.0 stays eager, the other regions keep their graphs: parity"):
         run = fit(*decoder(TINY), STEPS + 4, [callback, _SealAndBreak(backend, WARMUP + 3)], **CPU)
     report = callback.report
-    assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1)
+    assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0)
+    assert list(report.exclusions) == ["model.blocks.0"], "the region that no longer agrees is left eager"
     assert report.steps_replayed >= 3, "the graphs replayed before the seal"
+    excluded, kept = backend.regions
+    assert kept.replays > excluded.replays + 2, "the other region kept replaying its graph to the end"
     assert_released(run.model, backend)

@@ -3,6 +3,7 @@
 import pytest
 import torch.nn as nn
 
+from lightning_cudagraph.ladder import build_rungs
 from lightning_cudagraph.scopes import resolve_scopes
 
 
@@ -97,7 +98,6 @@ def test_gpt_like_scopes(scope, expected):
     resolution = resolve_scopes(GPT(), scope)
     assert names(resolution) == expected
     assert resolution.nested == {}
-    assert resolution.chosen_by_auto is None
 
 
 def test_each_target_records_its_scope_and_module():
@@ -241,12 +241,12 @@ def test_overrides(overrides, scope, expected):
 
 
 @pytest.mark.parametrize(
-    ("build", "chosen", "expected"),
+    ("build", "first", "expected"),
     [
         pytest.param(GPT, "attn", ["blocks.0.attn", "blocks.1.attn"], id="attn-first"),
         pytest.param(
             lambda: nn.ModuleDict({"blocks": nn.ModuleList(nn.ModuleDict({"mlp": MLP()}) for _ in range(2))}),
-            "mlp",
+            "attn+mlp",
             ["blocks.0.mlp", "blocks.1.mlp"],
             id="mlp-without-attn",
         ),
@@ -258,18 +258,15 @@ def test_overrides(overrides, scope, expected):
         ),
     ],
 )
-def test_auto_takes_the_narrowest_scope_that_finds_modules(build, chosen, expected):
-    resolution = resolve_scopes(build(), ["auto"])
-    assert resolution.chosen_by_auto == chosen
-    assert names(resolution) == expected
-    assert f"auto chose {chosen!r}" in resolution.summary()
+def test_auto_starts_on_the_narrowest_rung_that_finds_modules(build, first, expected):
+    rungs = [rung for rung in build_rungs(build(), {}, full_step_problem="no strategy") if rung.unavailable is None]
+    assert rungs[0].name == first
+    assert [t.name for t in rungs[0].targets] == expected
 
 
-def test_auto_on_a_model_with_nothing_to_capture_is_empty_not_an_error():
-    resolution = resolve_scopes(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), ["auto"])
-    assert resolution.targets == []
-    assert resolution.chosen_by_auto is None
-    assert resolution.summary() == "no modules"
+def test_auto_on_a_model_with_nothing_to_capture_has_no_scoped_rung():
+    rungs = build_rungs(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), {}, full_step_problem=None)
+    assert [rung.name for rung in rungs if rung.unavailable is None] == ["full_iteration"]
 
 
 def test_scope_matching_nothing_lists_candidate_names():
@@ -334,7 +331,6 @@ def _te_style_model() -> nn.Module:
         pytest.param(["mlp"], ["stack.first.ff", "stack.second.ff"], id="mlp-LayerNormMLP"),
         pytest.param(["layer"], ["stack.first", "stack.second"], id="layer-TransformerLayer"),
         pytest.param(["attn", "layer"], ["stack.first", "stack.second"], id="layer-folds-attn"),
-        pytest.param(["auto"], ["stack.first.mixer", "stack.second.mixer"], id="auto-narrowest"),
     ],
 )
 def test_transformer_engine_modules_found_by_class_name(scope, expected):

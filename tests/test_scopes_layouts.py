@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from lightning_cudagraph.ladder import RUNG_SCOPES, build_rungs
 from lightning_cudagraph.scopes import resolve_scopes
 
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "layer")
@@ -393,18 +394,22 @@ def test_attn_and_moe_interleave_in_model_order_and_fold_into_layers():
     assert folded.nested == {"model.layers.0.mlp.gate": "model.layers.0", "model.layers.1.mlp.gate": "model.layers.1"}
 
 
-@pytest.mark.parametrize(
-    ("layout", "chosen"),
-    [
-        pytest.param("qwen3_moe", "attn", id="moe-model-attn"),
-        pytest.param("bert", "attn", id="encoder-attn"),
-        pytest.param("mamba", "layer", id="ssm-layer"),
-    ],
-)
-def test_auto_on_real_layouts(layout, chosen):
-    resolution = resolve_scopes(build(layout), ["auto"])
-    assert resolution.chosen_by_auto == chosen
-    assert names(resolution) == LAYOUTS[layout][1][chosen]
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_auto_ladder_on_real_layouts(layout):
+    model = build(layout)
+    found, order = LAYOUTS[layout][1], [name for name, _ in model.named_modules()]
+    rungs = build_rungs(model, {}, full_step_problem=None)
+    assert [rung.name for rung in rungs] == [*RUNG_SCOPES, "full_iteration"]
+    previous = None
+    for rung in rungs[:-1]:
+        expected = sorted({name for scope in RUNG_SCOPES[rung.name] for name in found.get(scope, [])}, key=order.index)
+        if not expected:
+            assert rung.unavailable.startswith("no "), rung
+        elif expected == previous:
+            assert rung.unavailable.startswith("the same modules as"), rung
+        else:
+            assert [t.name for t in rung.targets] == expected
+            previous = expected
 
 
 def _in_layers(**children: nn.Module) -> nn.Module:

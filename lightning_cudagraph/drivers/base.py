@@ -43,8 +43,10 @@ class Driver(ABC):
         self.report: CUDAGraphReport = machine.report
         #: Called once, right before the first capture (the rollout reads the eager step times there).
         self.before_first_capture: Callable[[], None] = lambda: None
-        #: Whether this fit has captured anything yet (the report's counters may come from a checkpoint).
+        #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
         self.captured_any = False
+        #: Eager steps the first batch shape runs before its capture (a later level of ``scope="auto"`` needs fewer).
+        self.first_eager_steps = config.eager_steps
 
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
         return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)
@@ -98,7 +100,7 @@ class Driver(ABC):
 
     def _eager_steps_needed(self) -> int:
         """Eager steps a batch shape runs before its capture: ``warmup_steps`` for the first, one for later ones."""
-        return 1 if self.captured_any else self.config.eager_steps
+        return 1 if self.captured_any else self.first_eager_steps
 
     def _note_memory_before_capture(self) -> None:
         if self.report.memory_before_capture is None:

@@ -125,12 +125,12 @@ class FullStepDriver(Driver):
                 self.report.steps_eager += 1
                 if isinstance(plan, EagerStep) and plan.fallback is not None:
                     self.report.count_fallback(plan.fallback)
-            return _eager(run_step)
+            return eager_step(run_step)
         module = trainer.lightning_module
         if isinstance(plan, CaptureStep):
             first = self.machine.stage == Stage.WARMUP
             if not self._capture(plan, optimizer, run_step, module):
-                return _eager(run_step)
+                return eager_step(run_step)
             if first:
                 self._first = plan.whole
                 self.machine.begin_confirmation()
@@ -139,7 +139,7 @@ class FullStepDriver(Driver):
             problem = self.state.problem()
             if problem is not None:
                 self.machine.rollback(problem)
-                return _eager(run_step)
+                return eager_step(run_step)
             whole = self.steps.get(plan.key)
         return self._replay(whole, trainer, closure, module)
 
@@ -162,11 +162,19 @@ class FullStepDriver(Driver):
                 self._capturing = None
 
         started = time.perf_counter()
+        error: Exception | None = None
         try:
             with self.backend.failure_guard():
                 whole.graph = self.backend.capture_step(body)
         except Exception as err:  # roll back loudly (or raise); the step then runs eagerly
-            self._capture_failed(err)
+            error = err
+        finally:
+            self.report.capture_ms_total += (time.perf_counter() - started) * 1e3
+        if not self.machine.agreement.all_ok(error is None):  # a rank whose capture worked drops it too
+            if whole.graph is not None:
+                whole.graph.reset()
+                whole.graph = None
+            self._capture_failed(error or RuntimeError("the capture failed on another rank"))
             return False
         self.steps.add(plan.key, whole)
         self._sightings.pop(plan.key, None)
@@ -259,7 +267,7 @@ class FullStepDriver(Driver):
                 optimizer.restore()
 
 
-def _eager(run_step: Callable[[], Any]) -> Any:
+def eager_step(run_step: Callable[[], Any]) -> Any:
     """Run an optimizer step eagerly; the optimizer is capturable, which PyTorch would warn about on every fit."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*capturable=True.*")

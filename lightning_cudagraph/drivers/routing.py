@@ -105,7 +105,7 @@ class StepRoute:
     problem: str | None = None
     forward_order: list[str] = field(default_factory=list)
     backward_order: list[str] = field(default_factory=list)
-    parity: list[Tensor] = field(default_factory=list)
+    parity: list[tuple[int, Tensor]] = field(default_factory=list)
     replays: int = 0
     fallbacks: int = 0
 
@@ -211,7 +211,7 @@ class CallRouter:
         self.report.replays += 1
         output = forward.original(*args, **kwargs)
         eager = [leaf.detach() for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
-        route.parity.append(relative_error(eager, graphed))
+        route.parity.append((forward.index, relative_error(eager, graphed)))
         entry.parity_checked = True
         return output
 

@@ -18,9 +18,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
 from lightning_cudagraph.drivers.evidence import MetricUpdates, StateWatch
+from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, ReplayEntry, StepRoute
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.graphs.backend import RegionCapture
+from lightning_cudagraph.graphs.backend import RegionCapture, RegionCaptures
 from lightning_cudagraph.health import Stage
 from lightning_cudagraph.hooks import hooks_stashed, inner_hook_count
 from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
@@ -38,16 +39,22 @@ class ScopedDriver(Driver):
     """Captures and replays target regions, one graph set per batch signature.
 
     Args:
-        targets: The modules to capture, in model order.
+        regions: Every patched target, and which of them are captured (see
+            :class:`~lightning_cudagraph.drivers.regions.RegionSet`).
         *args: See :class:`~lightning_cudagraph.drivers.base.Driver`.
     """
 
     #: How regions are captured (``None``: the backend's default, PyTorch's forward/backward graph pairs).
     region_capture: RegionCapture | None = None
 
-    def __init__(self, targets: Sequence[Target], *args: Any) -> None:
+    def __init__(self, regions: RegionSet, *args: Any) -> None:
         super().__init__(*args)
-        self.targets = list(targets)
+        self.regions = regions
+        self.targets = regions.targets
+        #: Keep every recorded sample after a capture (``scope="auto"`` captures other levels from them).
+        self.keep_samples = False
+        #: Eager forward-backward iterations per region before its capture (fewer once the regions are warm).
+        self.warmup_iters = CAPTURE_WARMUP_ITERS
         self.recorder = WarmupRecorder(self.targets)
         self.state = StateWatch()
         self.router = CallRouter(
@@ -59,7 +66,7 @@ class ScopedDriver(Driver):
         )
         self.forwards = PatchedForwards(self.targets, self.router)
         self.graph_sets: ShapeCache[GraphSet] = self._shape_cache(GraphSet.reset)
-        self._index = {target.name: i for i, target in enumerate(self.targets)}
+        self._index = regions.index
         self._uncapturable: set[tuple[Any, ...]] = set()
         self._autocast = False
         self._microbatches = 1
@@ -139,24 +146,24 @@ class ScopedDriver(Driver):
                 why = "; it cannot be captured" if batch in self._uncapturable else ""
                 self.router.begin(StepRoute(fallback_reason=change + why))
                 return None
-        needed = 1 if self.captured_any else self.config.eager_steps * self._microbatches
+        needed = 1 if self.captured_any else self.first_eager_steps * self._microbatches
         if self.recorder.recorded_steps(batch) < needed:  # this shape's own stabilization
             self.recorder.begin_step(batch, keep_samples=True)
             self.router.begin(StepRoute(recorder=self.recorder, fallback_reason=change if in_use else None))
             return None
         if not in_use and not self.machine.warmup_was_finite():
             return None
-        plan = self.recorder.plan(excluded=set(), batch=batch)
+        plan = self.recorder.plan(excluded=self.regions.left_out(), batch=batch)
         if plan.unstable is not None or not plan.calls:
             return self._not_capturable(batch, plan.unstable, plan.skipped, change, in_use)
-        _say_what_stays_eager(self.component, self.targets, plan.skipped)
+        _say_what_stays_eager(self.component, self.regions.active_targets, plan.skipped)
         if not self._capture(batch, plan.calls):
             return None
         if not in_use:
             self.machine.begin_confirmation()
             self.state.watch(
                 (f"{t.name}.{n}", tensor)
-                for t in self.targets
+                for t in self.regions.active_targets
                 for n, tensor in (*t.module.named_parameters(), *t.module.named_buffers())
             )
         return self.graph_sets.get(batch)
@@ -182,24 +189,26 @@ class ScopedDriver(Driver):
         """Capture a graph set for ``batch`` with the targets' hooks stashed; on failure roll back (or raise)."""
         self._before_first_capture()
         self._note_memory_before_capture()
-        modules = [call.module for call in calls]
-        metrics = MetricUpdates((call.name, call.module) for call in calls)
         started = time.perf_counter()
-        try:
-            with self.backend.preserved(modules), self.backend.failure_guard(), hooks_stashed(modules):
-                regions = self.backend.capture_regions(calls, CAPTURE_WARMUP_ITERS, self.region_capture)
-        except Exception as err:  # a failed capture must not end training silently, nor leak anything
-            self._capture_failed(err)
+        captured = self._capture_pass(calls)
+        while captured is not None and captured.failed:  # narrow around what cannot be captured, then again
+            if not self._narrow(captured):
+                return False
+            self.backend.renew_pool()  # the allocator cannot capture into a pool after a failed capture
+            captured = self._capture_pass(self.recorder.plan(self.regions.left_out(), batch).calls)
+        if captured is None:
             return False
+        regions = captured.regions
         for region in regions:
             region.on_backward = self.router.on_backward
         entries = {self._index[region.name]: ReplayEntry(region) for region in regions}
         self.graph_sets.add(batch, GraphSet(batch, entries, confirm_left=self.config.confirm_steps))
-        self.recorder.forget(batch)
-        self._autocast = self._autocast or any(call.signature.autocast[0] for call in calls)
+        if not self.keep_samples:
+            self.recorder.forget(batch)
+        self._autocast = self._autocast or any(region.signature.autocast[0] for region in regions)
         if not self._captured(started, sum(len(s.entries) for s in self.graph_sets.values())):
             return False
-        updated = metrics.changed()
+        updated = self._metrics.changed()
         if updated:
             self.machine.rollback(
                 f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside a captured region; a replay"
@@ -208,24 +217,65 @@ class ScopedDriver(Driver):
             )
             return False
         rank_zero_info(
-            f"{self.component}: captured {len(calls)} region(s) for batch {describe_batch_key(batch)} in"
+            f"{self.component}: captured {len(regions)} region(s) for batch {describe_batch_key(batch)} in"
             f" {self.report.capture_ms:.0f} ms; graphs hold {self.report.pool_mib:.1f} MiB"
         )
+        return True
+
+    def _capture_pass(self, calls: list[RecordedCall]) -> RegionCaptures | None:
+        """One capture pass, its outcome agreed by every rank; ``None`` when it failed as a whole (rolled back)."""
+        modules = [call.module for call in calls]
+        self._metrics = MetricUpdates((call.name, call.module) for call in calls)
+        error: Exception | None = None
+        started = time.perf_counter()
+        try:
+            with self.backend.preserved(modules), self.backend.failure_guard(), hooks_stashed(modules):
+                captured = self.backend.capture_regions(calls, self.warmup_iters, self.region_capture)
+        except Exception as err:  # a failed capture must not end training silently, nor leak anything
+            error, captured = err, RegionCaptures()
+        finally:
+            self.report.capture_ms_total += (time.perf_counter() - started) * 1e3
+        if not self.machine.agreement.all_ok(error is None):
+            for region in captured.regions:
+                region.reset()
+            self._capture_failed(error or RuntimeError("the capture failed on another rank"))
+            return None
+        agreed = self.machine.agreement.any_of([call.name in captured.failed for call in calls])
+        captured.failed = {
+            call.name: captured.failed.get(call.name) or RuntimeError("its capture failed on another rank")
+            for call, failed in zip(calls, agreed, strict=True)
+            if failed
+        }
+        for region in [r for r in captured.regions if r.name in captured.failed]:
+            region.reset()
+            captured.regions.remove(region)
+        return captured
+
+    def _narrow(self, captured: RegionCaptures) -> bool:
+        """Leave the regions that failed eager (a layer: its parts instead); ``False`` if nothing is left to try."""
+        for region in captured.regions:  # one pass, one pool: the others are captured again
+            region.reset()
+        reasons = {name: f"capture_failed: {type(e).__name__}: {e}" for name, e in captured.failed.items()}
+        if self.config.on_failure == "raise" and not self.config.auto_scope:  # a fixed scope: the user's choice
+            name = next(iter(reasons))
+            self.machine.rollback(f"{name}: {reasons[name]}", captured.failed[name])
+            return False
+        replaced = {name for name in reasons if self.regions.replace_with_parts(name, reasons[name])}
+        left = [t for t in self.regions.active_targets if t.name not in reasons]
+        for name in reasons.keys() - replaced:
+            self.regions.exclude(name, reasons[name], warn=bool(left))
+        if not left:
+            first = next(iter(reasons.values()))
+            excluded = len(self.regions.excluded)
+            self._capture_failed(RuntimeError(f"no region could be captured; {excluded} failed, last: {first}"))
+            return False
         return True
 
     # ------------------------------------------------------------------ stage 5: replay confirmation
     def _confirmed(self, route: StepRoute) -> bool:
         """Weigh a confirming step: parity within tolerance, backward in reverse forward order."""
-        if route.parity:
-            error = max(float(e) for e in route.parity)  # confirmation steps only: their one host sync
-            previous = self.report.parity_err
-            self.report.parity_err = error if math.isnan(previous) else max(previous, error)
-            tolerance = self.parity_tolerance()
-            if not error <= tolerance:
-                self.machine.rollback(
-                    f"parity: graphed forward differs from eager by {error:.3g} (tolerance {tolerance:g})"
-                )
-                return False
+        if route.parity and not self._parity_holds(route):
+            return False
         expected = [name for name in reversed(route.forward_order) if name in set(route.backward_order)]
         if route.backward_order and route.backward_order != expected:
             self.machine.rollback(
@@ -233,6 +283,39 @@ class ScopedDriver(Driver):
                 f" ({route.backward_order} vs {expected}); they cannot share one memory pool"
             )
             return False
+        return True
+
+    def _parity_holds(self, route: StepRoute) -> bool:
+        """Regions whose graphed forward differs from eager stay eager, the same ones on every rank.
+
+        With no region left, or a fixed scope under ``on_failure="raise"``, the rollout rolls back instead.
+        """
+        tolerance = self.parity_tolerance()
+        errors = [(index, float(error)) for index, error in route.parity]  # confirmation only: host syncs allowed
+        agreed = self.machine.agreement.any_of([not error <= tolerance for _, error in errors])
+        bad = {index: error for (index, error), failed in zip(errors, agreed, strict=True) if failed}
+        kept = [error for index, error in errors if index not in bad]
+        if kept:
+            previous = self.report.parity_err
+            self.report.parity_err = max(kept) if math.isnan(previous) else max(previous, *kept)
+        if not bad:
+            return True
+        worst = max(bad.values())
+        reason = f"parity: graphed forward differs from eager by {worst:.3g} (tolerance {tolerance:g})"
+        left = route.graph_set.entries.keys() - bad.keys()
+        if not left or (self.config.on_failure == "raise" and not self.config.auto_scope):
+            self.machine.rollback(reason)
+            return False
+        for index, error in bad.items():
+            where = f" by {error:.3g}" if not error <= tolerance else f" on another rank (here by {error:.3g})"
+            self.regions.exclude(
+                self.targets[index].name, f"parity: graphed forward differs from eager{where} (tolerance {tolerance:g})"
+            )
+            for graph_set in self.graph_sets.values():
+                entry = graph_set.entries.pop(index, None)
+                if entry is not None:
+                    entry.region.reset()
+        self.report.graphs = sum(len(s.entries) for s in self.graph_sets.values())
         return True
 
     def parity_tolerance(self) -> float:
@@ -249,6 +332,24 @@ class ScopedDriver(Driver):
             self.machine.confirm(graphs=self.report.graphs)
         else:
             graph_set.confirm_left = 1  # one more step, on the graphs
+
+    def capture_level(self, names: Sequence[str]) -> None:
+        """From the next batch on, capture these targets (a level of ``scope="auto"``).
+
+        The graphs held now are released; the samples recorded so far serve the new capture, so it needs no eager
+        step of its own.
+        """
+        self.router.end()
+        for graph_set in self.graph_sets.clear():
+            graph_set.reset()
+        self.report.graphs = 0
+        self.regions.set_active(names)
+
+    def forget_samples(self) -> None:
+        """Drop recorded samples kept for later levels (they hold device memory)."""
+        self.keep_samples = False
+        for batch in self.graph_sets.shapes():
+            self.recorder.forget(batch)
 
     def seal(self, self_check: bool) -> None:
         """Close the set of batch shapes; with ``self_check``, confirm every captured shape again on its next step.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -68,8 +69,21 @@ class PreparedOptimizer(Protocol):
         """Give the optimizer back as it was built."""
 
 
-#: How regions are captured: ``capture(calls, *, pool, stream, warmup_iters) -> regions`` (PyTorch's or TE's).
-RegionCapture = Callable[..., list[Region]]
+@dataclass
+class RegionCaptures:
+    """What one capture pass produced: the regions captured, or the calls that could not be, with the error.
+
+    With a failure, the driver captures again without that call, into a new pool (:meth:`CaptureBackend.renew_pool`);
+    regions a failed pass returns anyway are reset first.
+    """
+
+    regions: list[Region] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)
+
+
+#: How regions are captured: ``capture(calls, *, pool, stream, warmup_iters) -> RegionCaptures`` (PyTorch's, or TE's,
+#: which captures all calls at once and raises on a failure).
+RegionCapture = Callable[..., RegionCaptures]
 
 
 class CaptureBackend(ABC):
@@ -98,7 +112,7 @@ class CaptureBackend(ABC):
     @abstractmethod
     def capture_regions(
         self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
-    ) -> list[Region]:
+    ) -> RegionCaptures:
         """Capture the recorded calls in execution order into the shared pool; ``capture`` overrides how."""
 
     @abstractmethod
@@ -108,6 +122,10 @@ class CaptureBackend(ABC):
     @abstractmethod
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Switch ``optimizer`` to a form whose step can be captured (done once, for the whole fit)."""
+
+    @abstractmethod
+    def renew_pool(self) -> None:
+        """Start a new memory pool for the next captures (the graphs of the old one must be released first)."""
 
     @abstractmethod
     def pool_mib(self) -> float:

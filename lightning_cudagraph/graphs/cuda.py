@@ -15,8 +15,14 @@ from typing import Any
 
 import torch
 
-from lightning_cudagraph.graphs.backend import CaptureBackend, PreparedOptimizer, Region, RegionCapture, StepGraph
-from lightning_cudagraph.graphs.local import capture_regions
+from lightning_cudagraph.graphs.backend import (
+    CaptureBackend,
+    PreparedOptimizer,
+    RegionCapture,
+    RegionCaptures,
+    StepGraph,
+)
+from lightning_cudagraph.graphs.local import capture_regions, graph_capture
 from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
 from lightning_cudagraph.graphs.state import (
     cuda_generator_guard,
@@ -66,6 +72,7 @@ class CUDABackend(CaptureBackend):
         super().__init__(device)
         self._pool: Any = None
         self._previous_stream: torch.cuda.Stream | None = None
+        self._holds = False  # a pool was made, or training entered the side stream, since the last release
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -76,12 +83,13 @@ class CUDABackend(CaptureBackend):
     def pool(self) -> Any:
         """The memory pool every graph of this fit is captured into (created on first use)."""
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+            self._pool, self._holds = torch.cuda.graph_pool_handle(), True
         return self._pool
 
     def enter(self) -> None:
         """Make the side stream current (it first waits for work queued on the current stream)."""
         if self._previous_stream is None:
+            self._holds = True
             self._previous_stream = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(self._previous_stream)
             torch.cuda.set_stream(self.stream)
@@ -96,21 +104,20 @@ class CUDABackend(CaptureBackend):
 
     def capture_regions(
         self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
-    ) -> list[Region]:
+    ) -> RegionCaptures:
         """Capture with ``capture`` (PyTorch's forward/backward pairs by default) on the side stream."""
         capture = capture or capture_regions
         return capture(calls, pool=self.pool, stream=self.stream, warmup_iters=warmup_iters)
 
+    def renew_pool(self) -> None:
+        """A new pool for the next captures: a level of ``scope="auto"`` never shares memory with the one before."""
+        self._pool = None
+
     def capture_step(self, body: Callable[[], None]) -> StepGraph:
         """Capture ``body`` as one graph; on failure the graph is reset before the error propagates."""
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                body()
-        except BaseException:
-            with contextlib.suppress(RuntimeError):
-                graph.reset()
-            raise
+        with torch.cuda.stream(self.stream), graph_capture(graph, self.pool):
+            body()
         return CUDAStepGraph(graph)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
@@ -148,10 +155,16 @@ class CUDABackend(CaptureBackend):
         return cuda_generator_guard(self.device)
 
     def release(self) -> None:
-        """Wait for the side stream, drop the pool, leave the side stream, give cached memory back."""
+        """Wait for the side stream, drop the pool, leave the side stream, give cached memory back.
+
+        Lightning ends a fit through several hooks that each release; only the first finds anything to free (a
+        ``gc.collect()`` costs a large process a good part of a second).
+        """
+        if not self._holds:
+            return
         with contextlib.suppress(RuntimeError):  # a sticky CUDA error must not stop the Python-side cleanup
             self.stream.synchronize()
-        self._pool = None
+        self._pool, self._holds = None, False
         self.leave()
         gc.collect()
         with contextlib.suppress(RuntimeError):

@@ -12,8 +12,8 @@ capture backwards in reverse order, all in one pool) with what a training framew
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
+from lightning_cudagraph.graphs.backend import RegionCaptures
 from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature, distinct_tensors, rebuild_call
 
@@ -132,11 +133,14 @@ def capture_regions(
     pool: Any,
     stream: torch.cuda.Stream,
     warmup_iters: int = 3,
-) -> list[GraphedRegion]:
+) -> RegionCaptures:
     """Capture the given calls, in their execution order, into one memory pool on ``stream``.
 
-    The caller owns what warmup and capture disturb (RNG state, module buffers) and restores it afterwards; the
-    returned regions own their graphs. On an exception, every graph captured so far is reset before re-raising.
+    A call whose warmup or capture raises (a host sync, a CPU-GPU copy, a data-dependent shape) ends the pass: the
+    graphs captured so far are reset and the call is reported in ``failed``. The pool is not to be used again (the
+    caching allocator cannot capture into it after a failed capture); the caller captures the other calls into a
+    new one. The caller owns what warmup and capture disturb (RNG state, module buffers) and restores it afterwards;
+    the returned regions own their graphs.
 
     Args:
         calls: The calls as recorded during the last eager step, in execution order.
@@ -145,25 +149,57 @@ def capture_regions(
         warmup_iters: Eager forward-backward iterations per call before capture.
     """
     regions: list[GraphedRegion] = []
+    name = ""
     try:
         with torch.cuda.stream(stream), torch.enable_grad():
-            functions = [_functional(call) for call in calls]
-            surfaces = [_input_surface(call) for call in calls]
-            for call, fn, surface in zip(calls, functions, surfaces, strict=True):
+            functions = {call.name: _functional(call) for call in calls}
+            surfaces = {call.name: _input_surface(call) for call in calls}
+            for call in calls:
+                name = call.name
                 with autocast_of(call.signature):
                     for _ in range(warmup_iters):
-                        outputs, _ = fn(*call.samples)
-                        _grads_of(outputs, surface, None)
+                        outputs, _ = functions[name](*call.samples)
+                        _grads_of(outputs, surfaces[name], None)
             torch.cuda.current_stream().synchronize()
-            for call, fn, surface in zip(calls, functions, surfaces, strict=True):
-                regions.append(_capture_forward(call, fn, surface, pool, stream))
-            for region, surface in zip(reversed(regions), reversed(surfaces), strict=True):
-                _capture_backward(region, surface, pool, stream)
+            for call in calls:
+                name = call.name
+                regions.append(_capture_forward(call, functions[name], surfaces[name], pool))
+            for region in reversed(regions):
+                name = region.name
+                _capture_backward(region, surfaces[name], pool)
+    except Exception as error:  # one call cannot be captured: say which (an interrupt still propagates)
+        for region in regions:
+            region.reset()
+        return RegionCaptures(failed={name: error})
     except BaseException:
         for region in regions:
             region.reset()
         raise
-    return regions
+    return RegionCaptures(regions)
+
+
+@contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """Capture into ``graph`` on the current stream, into ``pool``.
+
+    Unlike ``torch.cuda.graph``, no device sync, ``gc.collect()`` and ``empty_cache()`` before each graph: a pass
+    captures two graphs per region, and those calls were most of its host time. A failed body ends the capture
+    without masking its own error, and leaves the allocator as it found it, so the next capture (and eager
+    training on this stream) can go on.
+    """
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        yield
+    except BaseException:
+        try:
+            graph.capture_end()
+        except RuntimeError:  # an invalidated capture (a host sync inside it) fails to end
+            # ``capture_end`` raised before it stopped routing this stream's allocations into the pool; left so,
+            # every later capture into it fails ("already recording") and eager allocations would land in it.
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        graph.reset()
+        raise
+    graph.capture_end()
 
 
 def _functional(call: RecordedCall) -> Callable[..., tuple[tuple[Tensor, ...], tuple[Any, pytree.TreeSpec]]]:
@@ -195,13 +231,10 @@ def _grads_of(
 
 
 def _capture_forward(
-    call: RecordedCall, fn: Callable[..., Any], surface: tuple[Tensor, ...], pool: Any, stream: torch.cuda.Stream
+    call: RecordedCall, fn: Callable[..., Any], surface: tuple[Tensor, ...], pool: Any
 ) -> GraphedRegion:
     graph = torch.cuda.CUDAGraph()
-    with (
-        autocast_of(call.signature),
-        torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
-    ):
+    with autocast_of(call.signature), graph_capture(graph, pool):
         outputs, (leaves, spec) = fn(*call.samples)
     positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor))
     template = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
@@ -222,7 +255,7 @@ def _capture_forward(
     )
 
 
-def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: Any, stream: torch.cuda.Stream) -> None:
+def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: Any) -> None:
     grad_outputs = tuple(
         torch.empty_like(o) if d else None for o, d in zip(region.static_outputs, region.differentiable, strict=True)
     )
@@ -232,10 +265,7 @@ def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: 
         region.static_outputs = tuple(o.detach() for o in region.static_outputs)
         return  # nothing flows back through this region: no backward graph
     graph = torch.cuda.CUDAGraph()
-    with (
-        autocast_of(region.signature),
-        torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
-    ):
+    with autocast_of(region.signature), graph_capture(graph, pool):
         grads = _grads_of(region.static_outputs, surface, [g for g in grad_outputs if g is not None])
     grads_iter = iter(grads)
     region.static_grad_inputs = tuple(next(grads_iter) if t.requires_grad else None for t in surface)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from lightning_cudagraph.graphs.backend import RegionCaptures
 from lightning_cudagraph.graphs.local import autocast_of, tensor_addresses
 from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature, rebuild_call
@@ -115,8 +116,10 @@ def capture_te_regions(
     warmup_iters: int,
     fp8_recipe: Any | None,
     weight_cache: FP8WeightCache | None = None,
-) -> list[TERegion]:
+) -> RegionCaptures:
     """Capture the calls with ``transformer_engine.pytorch.make_graphed_callables`` into one pool on ``stream``.
+
+    TE captures every call in one pass, so a failing call fails the pass (it raises; nothing is left out).
 
     Args:
         calls: Recorded calls in execution order; arguments must be tensors (positional or keyword).
@@ -154,7 +157,7 @@ def capture_te_regions(
             regions.append(
                 TERegion(call.name, module, call.signature, forward, reset, addresses, weight_cache=weight_cache)
             )
-        return regions
+        return RegionCaptures(regions)
     finally:
         for module, guard in zip(modules, guards, strict=True):
             for attribute in ("forward", "reset", "backward_dw"):

@@ -1,0 +1,66 @@
+"""Decisions taken once for all ranks: one small collective at each decision point, never one per step.
+
+Under DDP every rank runs its own rollout. A decision that one rank takes alone (roll back, exclude a region, keep
+a wider level) would leave one rank replaying a graph while another runs the same step eagerly: with a captured
+all-reduce that is a hang, with scoped graphs different numerics. Each decision point therefore folds every
+rank's view into one answer: all must agree to go on, any rank's failure excludes a region everywhere, and a
+level's step time is the slowest rank's (DDP runs at the pace of its slowest rank).
+
+Decision points are reached by every rank at the same step (they depend on the step count and on earlier agreed
+decisions only), so the collectives pair up. A single process takes no collective at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class RankAgreement:
+    """Agrees decisions across the ranks of the default process group (a no-op in a single process).
+
+    Args:
+        device: Where the collective's tensor lives: the rank's CUDA device under NCCL, the CPU under gloo.
+
+    Example:
+        >>> import torch
+        >>> agreement = RankAgreement(torch.device("cpu"))  # one process: every answer is this rank's own
+        >>> agreement.all_ok(True), agreement.any_of([False, True]), agreement.slowest(2.5)
+        (True, [False, True], 2.5)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def world_size(self) -> int:
+        """Ranks taking part (1 without an initialized process group)."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return 1
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every rank says ``ok`` (one collective)."""
+        return not self.any_of([not ok])[0]
+
+    def any_of(self, flags: Sequence[bool]) -> list[bool]:
+        """Element-wise: whether any rank raised each flag (one collective; every rank passes as many flags)."""
+        if self.world_size == 1 or not flags:
+            return list(flags)
+        values = self._max([1.0 if flag else 0.0 for flag in flags])
+        return [value > 0 for value in values]
+
+    def slowest(self, value: float) -> float:
+        """The largest value over the ranks, e.g. a step time (one collective)."""
+        if self.world_size == 1:
+            return value
+        return self._max([value])[0]
+
+    def _max(self, values: list[float]) -> list[float]:
+        backend = dist.get_backend()
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()

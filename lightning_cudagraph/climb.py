@@ -1,0 +1,219 @@
+"""The walk of ``scope="auto"`` 's ladder during a fit: switch levels, time each one, move on or go back.
+
+:class:`~lightning_cudagraph.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
+steps. A level is timed over its first replayed steps after confirmation, with the backend's timer (CUDA events,
+read once, at the decision, so no host sync per step). Every move happens at the end of a training batch, so the
+next step starts on the new level: a scoped level captures at once from the samples recorded during warmup; the
+whole step runs one eager step with its capturable optimizer first (NCCL's eager steps first under DDP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_cudagraph.config import FULL_ITERATION
+from lightning_cudagraph.drivers.scoped import ScopedDriver
+from lightning_cudagraph.health import CUDAGraphReport, Stage, StepTimer, median
+from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung
+from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP
+from lightning_cudagraph.scopes import Target
+
+if TYPE_CHECKING:
+    from lightning_cudagraph.rollout import Rollout
+
+
+class Climb:
+    """Walks the ladder of one fit.
+
+    Args:
+        rungs: From :func:`~lightning_cudagraph.ladder.build_rungs`.
+        report: The ladder's rows, the level and the timings are written here.
+        component: Named in messages.
+    """
+
+    def __init__(self, rungs: Sequence[Rung], report: CUDAGraphReport, component: str) -> None:
+        self.ladder = Ladder(rungs, report)
+        self.report, self.component = report, component
+        self._rollout: Rollout | None = None
+        self._trainer: pl.Trainer | None = None
+        self._window = StepTimer(use_cuda=False)
+        self._timing = False
+        self._measured = 0
+        self._due = MEASURE_STEPS
+        self._times: list[float] = []
+        self._since_capture = 0
+        self._pending: Rung | None = None
+        self._driver_released = False
+        self._capture_mark = 0.0
+
+    @property
+    def rungs(self) -> list[Rung]:
+        """The rungs to try, in order."""
+        return self.ladder.to_try
+
+    @property
+    def scoped_targets(self) -> list[Target]:
+        """Every target of every scoped rung (all are patched for the fit)."""
+        return self.ladder.scoped_targets
+
+    def check_full_step(self, problem: str | None) -> None:
+        """Skip the whole-step rung when the optimizers rule it out."""
+        if problem is not None:
+            self.ladder.skip(FULL_ITERATION, problem)
+
+    def attach(self, rollout: Rollout, trainer: pl.Trainer) -> None:
+        """Start on the first rung: its driver runs the warmup steps, recording every scoped rung's targets."""
+        self._rollout, self._trainer = rollout, trainer
+        self._window = rollout.backend.timer()
+        rollout.machine.on_level_failure = self._level_failed
+        rung = self.ladder.current
+        rollout.driver = rollout.driver_for(trainer, rung.full_step, _names(rung))
+        self._enter(rung)
+
+    # ------------------------------------------------------------------ per step (no host sync)
+    def step_started(self) -> None:
+        """Time this step if it runs on the level's graphs.
+
+        That is from the step after the capture (and its parity checks) on, confirmation's graphed steps included.
+        """
+        self._timing = (
+            self._rollout is not None
+            and not self.ladder.settled
+            and self._pending is None
+            and self._since_capture >= 1
+            and self._rollout.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
+        )
+        if self._timing:
+            self._window.start()
+
+    def step_ended(self) -> None:
+        """Count the step towards its level."""
+        if self.ladder.settled or self._rollout is None:
+            return
+        self.ladder.row.steps += 1
+        if self._rollout.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING):
+            self._since_capture += 1
+        if self._timing:
+            self._window.stop()
+            self._measured += 1
+
+    def move_if_due(self) -> None:
+        """At the end of a batch: go where a failure sent the ladder, or decide once the level is confirmed, timed."""
+        if self._rollout is None:
+            return
+        machine = self._rollout.machine
+        if self._pending is not None:
+            rung, self._pending = self._pending, None
+            self._switch(rung)
+        elif not self.ladder.settled and self._measured >= self._due and machine.stage == Stage.REPLAYING:
+            self._time_or_decide()
+
+    # ------------------------------------------------------------------ decisions
+    def _time_or_decide(self) -> None:
+        """Decide on the steps timed so far (one host sync), or time a close call over a few more steps."""
+        self._times.extend(self._window.read())
+        step_ms = self._rollout.machine.agreement.slowest(median(self._times))
+        if len(self._times) < MAX_MEASURE_STEPS and self.ladder.close_call(step_ms, self.report.eager_step_ms):
+            self._due = MAX_MEASURE_STEPS
+            return
+        self._decide(step_ms)
+
+    def _decide(self, step_ms: float) -> None:
+        machine = self._rollout.machine
+        self._measured, self._times = 0, []
+        self._note_capture_time()
+        rung = self.ladder.measured(step_ms, self.report.eager_step_ms)
+        if rung is EAGER:
+            machine.disable(
+                "not_faster",
+                detail=f"no level of scope='auto' was faster than eager training ({self.report.eager_step_ms:.2f}"
+                f" ms/step) by the margin: {self.ladder.describe()}; training goes on eagerly",
+            )
+        elif rung is None:
+            self._settled()
+        else:
+            self._switch(rung)
+
+    def _level_failed(self, reason: str) -> bool:
+        """A level failed while climbing: go back to the best level confirmed below it (``False``: there is none)."""
+        if self.ladder.settled or self._rollout is None:
+            return False
+        failed = self.ladder.current.name
+        self._note_capture_time()
+        rung = self.ladder.failed(reason)
+        if rung is EAGER or rung is None:
+            return False
+        rank_zero_warn(
+            f"{self.component}: level {failed!r} of scope='auto' failed ({reason}); training goes back to"
+            f" {rung.name!r}, the fastest level confirmed before it"
+        )
+        self._rollout.driver.release()
+        self._driver_released = True
+        self._pending = rung
+        return True
+
+    # ------------------------------------------------------------------ moving
+    def _switch(self, rung: Rung) -> None:
+        rollout, trainer = self._rollout, self._trainer
+        driver = rollout.driver
+        if not rung.full_step and isinstance(driver, ScopedDriver) and not self._driver_released:
+            driver.capture_level(_names(rung))
+        else:
+            driver.release()
+            rollout.driver = rollout.driver_for(trainer, rung.full_step, _names(rung))
+            rollout.driver.before_first_capture = rollout._note_eager_time
+            rollout.driver.first_eager_steps = self._eager_steps_before(rung, trainer)
+            rollout.driver.start(trainer)
+        if isinstance(rollout.driver, ScopedDriver):
+            rollout.driver.warmup_iters = 1  # the regions already ran on this stream in every step so far
+        rollout.backend.renew_pool()
+        rollout.machine.begin_level()
+        self._enter(rung)
+
+    def _enter(self, rung: Rung) -> None:
+        self._measured, self._since_capture, self._timing, self._driver_released = 0, 0, False, False
+        self._times, self._due = [], MEASURE_STEPS
+        self._window.read()  # drop a partial window
+        self._capture_mark = self.report.capture_ms_total
+        self.report.level = rung.name
+        if not self.ladder.settled:
+            self.ladder.row.status = "trying"
+        if isinstance(self._rollout.driver, ScopedDriver):
+            self._rollout.driver.keep_samples = not self.ladder.settled
+        if self.ladder.settled:
+            rank_zero_info(f"{self.component}: scope='auto' goes back to {rung.name!r}: {self.ladder.describe()}")
+
+    def _settled(self) -> None:
+        driver = self._rollout.driver
+        if isinstance(driver, ScopedDriver):
+            driver.forget_samples()
+        rank_zero_info(f"{self.component}: scope='auto' settled on {self.report.level!r}: {self.ladder.describe()}")
+
+    def _note_capture_time(self) -> None:
+        row = self.ladder.row
+        row.capture_ms += self.report.capture_ms_total - self._capture_mark
+        self._capture_mark = self.report.capture_ms_total
+
+    def _eager_steps_before(self, rung: Rung, trainer: pl.Trainer) -> int:
+        """Eager steps before a new driver's capture.
+
+        One: the recording step of scoped regions, or the first step of the optimizers in the capturable form the
+        whole step switches them to (under DDP, as many as NCCL still needs). Optimizers stay as built below the
+        whole step: a capturable optimizer steps slower eagerly.
+        """
+        if rung.full_step and isinstance(trainer.strategy, DDPStrategy):
+            return max(1, DDP_FULL_ITERATION_MIN_WARMUP - trainer.global_step)
+        return 1
+
+    def release(self) -> None:
+        """The fit ends: nothing pending."""
+        self._pending = None
+
+
+def _names(rung: Rung) -> list[str]:
+    return [target.name for target in rung.targets]

@@ -1,0 +1,240 @@
+"""``scope="auto"`` 's ladder on a CPU: levels found per layout, the climb's decisions, narrowing, the memory budget.
+
+The fake backend reports a step time per level (from the regions or step graph alive at the end of each step), so
+every decision of the climb is exercised with times the test chooses; capture and replay run through the package's
+real lifecycle. Capture on a GPU is in ``tests/test_gpu_ladder.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
+from lightning_cudagraph.ladder import MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, build_rungs
+from tests.fake_backend import FakeBackend
+from tests.helpers import assert_losses_close, fit, graph_callback, patched_forwards
+from tests.models import TINY, MoEDecoderModule, decoder
+
+CPU = {"accelerator": "cpu", "devices": 1}
+WARMUP = 2
+#: Steps the climb spends per scoped level: capture and parity checks, then the timed ones (confirmation's included).
+STEPS_PER_LEVEL = 1 + MEASURE_STEPS
+#: Enough for every level to be timed as long as a close call takes.
+STEPS = WARMUP + 4 * (1 + MAX_MEASURE_STEPS) + 4
+
+
+def level_of(backend: FakeBackend) -> str:
+    """The level training ran at in the step that just ended, read from what was alive then."""
+    if any(graph.live for graph in backend.step_graphs):
+        return "full_iteration"
+    names = backend.live_region_names
+    if any(re.fullmatch(r"model\.blocks\.\d+", name) for name in names):
+        return "layer"
+    if any(name.endswith((".mlp", ".router")) for name in names):
+        return "attn+mlp"
+    return "attn" if names else "eager"
+
+
+def timed(**ms: float) -> FakeBackend:
+    """A fake backend whose steps take ``ms[level]`` milliseconds."""
+    table = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "full_iteration": 2.0, **ms}
+    return FakeBackend(step_ms=lambda backend: table[level_of(backend)])
+
+
+def auto_callback(backend: FakeBackend, **options) -> CUDAGraphCallback:
+    callback = CUDAGraphCallback(warmup_steps=WARMUP, **options)
+    callback.capture_backend = backend
+    return callback
+
+
+def auto_strategy(backend: FakeBackend, **options) -> CUDAGraphStrategy:
+    strategy = CUDAGraphStrategy(warmup_steps=WARMUP, **options)
+    strategy.capture_backend = backend
+    return strategy
+
+
+def ladder(report) -> list[tuple[str, str]]:
+    return [(row.level, row.status) for row in report.ladder]
+
+
+# ---------------------------------------------------------------------------------------------- the rungs per model
+def test_rungs_of_a_dense_decoder_widen_from_attention_to_layers():
+    model, _ = decoder(TINY)
+    rungs = build_rungs(model, {}, full_step_problem=None)
+    assert [rung.name for rung in rungs] == ["attn", "attn+mlp", "layer", "full_iteration"]
+    assert [t.name for t in rungs[1].targets] == [
+        f"model.blocks.{i}.{part}" for i in range(TINY["n_layer"]) for part in ("attn", "mlp")
+    ]
+    assert all(rung.unavailable is None for rung in rungs)
+
+
+def test_rungs_of_an_moe_decoder_take_the_router_with_the_dense_parts():
+    model, _ = decoder(TINY, MoEDecoderModule)
+    rungs = {rung.name: rung for rung in build_rungs(model, {}, full_step_problem="needs the strategy")}
+    assert [t.name for t in rungs["attn+mlp"].targets] == [
+        f"model.blocks.{i}.{part}" for i in range(TINY["n_layer"]) for part in ("attn", "moe.router")
+    ]
+    assert rungs["full_iteration"].unavailable == "needs the strategy"
+
+
+def test_a_rung_that_finds_the_same_modules_as_the_one_before_is_skipped():
+    model, _ = decoder(TINY)
+    rungs = build_rungs(model, {"mlp": ("nowhere.*",)}, full_step_problem=None)
+    assert rungs[1].unavailable == "the same modules as 'attn'"
+
+
+def test_custom_scopes_join_every_scoped_rung():
+    model, _ = decoder(TINY)
+    rungs = build_rungs(model, {"head": ("model.head",)}, full_step_problem=None)
+    assert all("model.head" in [t.name for t in rung.targets] for rung in rungs[:3])
+
+
+# ---------------------------------------------------------------------------------------------- the climb
+def test_the_callback_climbs_to_the_fastest_scoped_level_and_stays_there(tmp_path):
+    backend = timed()
+    eager = fit(*decoder(TINY), STEPS, **CPU)
+    callback = auto_callback(backend)
+    run = fit(*decoder(TINY), STEPS, [callback], logger=CSVLogger(tmp_path), log_every_n_steps=1, **CPU)
+
+    report = callback.report
+    assert ladder(report) == [
+        ("attn", "slower"),
+        ("attn+mlp", "slower"),
+        ("layer", "kept"),
+        ("full_iteration", "skipped"),
+    ]
+    assert "Trainer(strategy='cudagraph')" in report.ladder[-1].reason
+    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
+    assert [row.step_ms for row in report.ladder[:3]] == [8.0, 6.0, 4.0]
+    assert all(row.steps >= STEPS_PER_LEVEL for row in report.ladder[:3])
+    assert report.capture_ms_total >= sum(row.capture_ms for row in report.ladder) > 0
+    assert backend.pools == 3, "each level captures into a pool of its own"
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert patched_forwards(run.model) == [] and backend.live_graphs == 0
+    with open(f"{run.trainer.logger.log_dir}/metrics.csv") as handle:
+        levels = [float(row["cudagraph/level"]) for row in csv.DictReader(handle) if row.get("cudagraph/level")]
+    assert levels[0] == 1.0 and levels[-1] == 3.0 and sorted(levels) == levels, "cudagraph/level follows the climb"
+
+
+def test_through_the_strategy_the_climb_ends_on_the_whole_step():
+    backend = timed()
+    eager = fit(*decoder(TINY), STEPS, **CPU)
+    run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert ladder(report) == [
+        ("attn", "slower"),
+        ("attn+mlp", "slower"),
+        ("layer", "slower"),
+        ("full_iteration", "kept"),
+    ]
+    assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration")
+    assert backend.step_graphs and backend.step_graphs[-1].replays > 0
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert all(optimizer.restored for optimizer in backend.optimizers)
+
+
+def test_a_wider_level_within_the_margin_is_not_kept_and_training_goes_back_to_the_best():
+    close = 6.0 * (1 - MARGIN / 2)  # faster than attn+mlp, but by less than the margin
+    backend = timed(layer=close)
+    callback = auto_callback(backend)
+    fit(*decoder(TINY), STEPS, [callback], **CPU)
+
+    report = callback.report
+    assert ladder(report)[:3] == [("attn", "slower"), ("attn+mlp", "kept"), ("layer", "slower")]
+    assert (report.stage, report.level) == (Stage.REPLAYING, "attn+mlp")
+    steps = [row.steps for row in report.ladder[1:3]]
+    assert steps[0] <= 1 + MEASURE_STEPS + 1, "a clear call is decided on a few steps"
+    assert steps[1] >= 1 + MAX_MEASURE_STEPS, "a call within the margin is timed longer"
+    assert level_of_last_capture(backend) == "attn+mlp", "the best level is captured again"
+
+
+def level_of_last_capture(backend: FakeBackend) -> str:
+    last = backend.regions[-1].name
+    return "layer" if re.fullmatch(r"model\.blocks\.\d+", last) else "attn+mlp" if last.endswith(".mlp") else "attn"
+
+
+def test_a_level_that_fails_ends_the_climb_on_the_best_level_confirmed_before_it():
+    backend = timed()
+    backend.fail_step = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed"):
+        run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert ladder(report)[-1] == ("full_iteration", "failed")
+    assert report.ladder[-1].reason.startswith("capture_failed: RuntimeError: Cannot copy")
+    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
+    assert level_of_last_capture(backend) == "layer"
+
+
+def test_no_level_faster_than_eager_turns_graphs_off_and_training_goes_on():
+    backend = timed(attn=9.9, **{"attn+mlp": 9.8, "layer": 9.7})
+    eager = fit(*decoder(TINY), STEPS, **CPU)
+    callback = auto_callback(backend)
+    with pytest.warns(UserWarning, match="not_faster"):
+        run = fit(*decoder(TINY), STEPS, [callback], **CPU)
+
+    report = callback.report
+    assert (report.stage, report.reason, report.level) == (Stage.DISABLED, "not_faster", None)
+    assert [row.status for row in report.ladder[:3]] == ["slower"] * 3
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert patched_forwards(run.model) == [] and backend.live_graphs == 0
+
+
+def test_a_level_over_the_memory_budget_ends_the_climb():
+    backend = timed()  # one MiB per region: attn 2, attn+mlp 4, layer 2
+    callback = auto_callback(backend, max_pool_mib=3)
+    with pytest.warns(UserWarning, match="level 'attn\\+mlp' of scope='auto' failed"):
+        fit(*decoder(TINY), STEPS, [callback], **CPU)
+
+    report = callback.report
+    assert ladder(report)[:3] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "planned")]
+    assert report.ladder[1].reason.startswith("memory_budget")
+    assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
+
+
+# ---------------------------------------------------------------------------------------------- narrowing
+def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
+    # As Hugging Face MoE experts do: their capture fails, so every layer holding them does too.
+    error = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    layers = [f"model.blocks.{i}" for i in range(TINY["n_layer"])]
+    backend = timed(layer=3.0)
+    backend.fail_regions = dict.fromkeys(layers, error)
+    eager = fit(*decoder(TINY, MoEDecoderModule), STEPS, **CPU)
+    callback = auto_callback(backend)
+    run = fit(*decoder(TINY, MoEDecoderModule), STEPS, [callback], **CPU)
+
+    report = callback.report
+    assert set(report.exclusions) == set(layers)
+    assert all("its parts are captured instead" in why and "Cannot copy" in why for why in report.exclusions.values())
+    assert report.rollbacks == 0 and report.stage == Stage.REPLAYING
+    parts = {f"{layer}.{part}" for layer in layers for part in ("attn", "moe.router")}
+    assert parts <= {region.name for region in backend.regions}, "the parts were captured in place of the layers"
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+
+
+def test_a_region_that_fails_capture_stays_eager_and_the_others_keep_their_graphs():
+    backend = FakeBackend(fail_regions={"model.blocks.0": RuntimeError("a host sync")})
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
+    callback.capture_backend = backend
+    with pytest.warns(UserWarning, match="model.blocks.0 stays eager, the other regions keep their graphs"):
+        fit(*decoder(TINY), 8, [callback], **CPU)
+
+    report = callback.report
+    assert list(report.exclusions) == ["model.blocks.0"]
+    assert (report.stage, report.rollbacks, report.graphs) == (Stage.REPLAYING, 0, 0)
+    assert [region.name for region in backend.regions] == ["model.blocks.1"], "captured again, without block 0"
+    assert backend.regions[0].replays > 0 and backend.pools == 2, "into a new pool"
+
+
+def test_a_fixed_scope_under_on_failure_raise_raises_on_the_first_region_that_fails():
+    backend = FakeBackend(fail_regions={"model.blocks.1": RuntimeError("a host sync")})
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, on_failure="raise")
+    callback.capture_backend = backend
+    with pytest.raises(RuntimeError, match=re.escape("model.blocks.1: capture_failed: RuntimeError: a host sync")):
+        fit(*decoder(TINY), 8, [callback], **CPU)
+    assert backend.live_graphs == 0
