@@ -19,8 +19,8 @@ ladder, exclusions, rollback reasons, pool MiB, total capture ms). Then speed ra
 the variant): ``auto-strategy`` against the best fixed variant and ``auto-callback`` against the best fixed scope
 (goal: at least 0.9x), on Qwen3-MoE the auto variants against eager (goal: at least 1.25x), and the auto variants
 against every fixed variant that rolled back. Last, the ladder's cost: ``--cost-steps`` steps of ``auto-strategy``
-and of the fixed variant at the level its ladder settled on, each timed as the wall time of ``trainer.fit``; cost =
-(auto - fixed) / auto (goal: at most 5%).
+and of the fixed variant at the level its ladder settled on, each timed as the fastest of two wall times of
+``trainer.fit``; cost = (auto - fixed) / auto (goal: at most 5%).
 
 Writes ``DIR/auto_<precision>.json`` and ``DIR/AUTO.md`` (rebuilt from every ``auto_*.json`` in ``DIR``). On a
 machine without CUDA it says so and exits with code 2.
@@ -268,12 +268,25 @@ def measure(model: str, variant: str, precision: str, steps: int, skip: int) -> 
     return as_dict(result, graph_callback(trainer)), losses
 
 
+#: Fits of each variant in the cost measurement, alternated; each one's fastest counts (a single fit of a few
+#: seconds can be off by a tenth of a second, a good part of the 5% measured).
+COST_ROUNDS = 2
+
+
 def measure_cost(model: str, precision: str, steps: int) -> dict[str, Any]:
     """The ladder's cost: ``auto-strategy`` against the fixed variant at the level its ladder settled on."""
-    auto = fit_wall(model, "auto-strategy", precision, steps)
-    level = (auto.get("report") or {}).get("level")
-    fixed = fit_wall(model, fixed_variant_for(model, level), precision, steps)
-    return cost_record(steps, auto, fixed)
+    autos, fixeds = [], []
+    for _ in range(COST_ROUNDS):
+        autos.append(fit_wall(model, "auto-strategy", precision, steps))
+        level = (autos[0].get("report") or {}).get("level")
+        fixeds.append(fit_wall(model, fixed_variant_for(model, level), precision, steps))
+    return cost_record(steps, fastest_fit(autos), fastest_fit(fixeds))
+
+
+def fastest_fit(fits: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fit with the shortest wall time (a failed one only if every one failed)."""
+    timed = [fit for fit in fits if fit["wall_s"] is not None]
+    return min(timed, key=lambda fit: fit["wall_s"]) if timed else fits[0]
 
 
 def fit_wall(model: str, variant: str, precision: str, steps: int) -> dict[str, Any]:

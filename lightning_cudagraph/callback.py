@@ -34,13 +34,16 @@ class CUDAGraphCallback(Callback):
         ``cudagraph/stage`` (0 eager warmup, 1 confirming, 2 replaying, -1 rolled back or disabled),
         ``cudagraph/graphs``, ``cudagraph/replays``, ``cudagraph/fallbacks``, ``cudagraph/capture_ms``,
         ``cudagraph/pool_mib``, ``cudagraph/step_ms``, ``cudagraph/eager_step_ms``, ``cudagraph/speedup``,
-        ``cudagraph/parity_err``, ``cudagraph/rollbacks``, ``cudagraph/evictions``, ``cudagraph/hit_rate``. The
-        same figures, and the reasons behind fallbacks and rollbacks, are in :attr:`report`.
+        ``cudagraph/parity_err``, ``cudagraph/rollbacks``, ``cudagraph/captures``, ``cudagraph/evictions``,
+        ``cudagraph/hit_rate``, ``cudagraph/capture_ms_total`` and, under ``scope="auto"``, ``cudagraph/level``.
+        The same figures, the levels tried, and the reasons behind fallbacks, exclusions and rollbacks are in
+        :attr:`report`.
 
     Args:
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
             ``"none"`` (everything off).
-        scope: ``"auto"`` (the narrowest of attn, mlp, layer that finds modules), or a list from
+        scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer`` and, with one of the package's
+            strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from
             ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of
             ``modules``. ``full_iteration`` captures the whole training step and needs
             :class:`~lightning_cudagraph.CUDAGraphStrategy`.

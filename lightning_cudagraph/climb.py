@@ -1,10 +1,11 @@
 """The walk of ``scope="auto"`` 's ladder during a fit: switch levels, time each one, move on or go back.
 
 :class:`~lightning_cudagraph.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
-steps. A level is timed over its first replayed steps after confirmation, with the backend's timer (CUDA events,
-read once, at the decision, so no host sync per step). Every move happens at the end of a training batch, so the
-next step starts on the new level: a scoped level captures at once from the samples recorded during warmup; the
-whole step runs one eager step with its capturable optimizer first (NCCL's eager steps first under DDP).
+steps. A level is timed over its first steps on graphs with the backend's timer: CUDA events, read once per
+decision, so no host sync per step; a step's time runs from the end of the step before, Lightning's work between
+steps included. Every move happens at the end of a training batch, so the next step starts on the new level: a
+scoped level captures at once from the samples recorded during warmup; the whole step runs one eager step with its
+capturable optimizer first (NCCL's eager steps first under DDP).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Climb:
         self._measured = 0
         self._due = MEASURE_STEPS
         self._times: list[float] = []
+        self._regions_of: dict[str, frozenset[str]] = {}
         self._since_capture = 0
         self._pending: Rung | None = None
         self._driver_released = False
@@ -77,9 +79,10 @@ class Climb:
 
     # ------------------------------------------------------------------ per step (no host sync)
     def step_started(self) -> None:
-        """Time this step if it runs on the level's graphs.
+        """Note whether this step counts towards the level's time.
 
-        That is from the step after the capture (and its parity checks) on, confirmation's graphed steps included.
+        It does when it runs on the level's graphs: from the step after the capture (and its parity checks) on,
+        confirmation's graphed steps included.
         """
         self._timing = (
             self._rollout is not None
@@ -88,19 +91,23 @@ class Climb:
             and self._since_capture >= 1
             and self._rollout.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
         )
-        if self._timing:
-            self._window.start()
 
     def step_ended(self) -> None:
-        """Count the step towards its level."""
+        """Count the step towards its level.
+
+        A timed step's time runs from the previous step's end to its own, so Lightning's work between steps counts
+        as it does in training.
+        """
         if self.ladder.settled or self._rollout is None:
             return
         self.ladder.row.steps += 1
-        if self._rollout.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING):
-            self._since_capture += 1
+        on_graphs = self._rollout.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
+        self._since_capture += on_graphs
         if self._timing:
             self._window.stop()
             self._measured += 1
+        if on_graphs and self._since_capture >= 1:
+            self._window.start()
 
     def move_if_due(self) -> None:
         """At the end of a batch: go where a failure sent the ladder, or decide once the level is confirmed, timed."""
@@ -115,19 +122,42 @@ class Climb:
 
     # ------------------------------------------------------------------ decisions
     def _time_or_decide(self) -> None:
-        """Decide on the steps timed so far (one host sync), or time a close call over a few more steps."""
+        """Decide on the steps timed so far (one host sync), or time a close or noisy call over a few more steps."""
+        same = self._same_regions_as()
+        if same is not None:
+            self._measured, self._times = 0, []
+            self._note_capture_time()
+            self._follow(self.ladder.same_as(same))
+            return
         self._times.extend(self._window.read())
         step_ms = self._rollout.machine.agreement.slowest(median(self._times))
-        if len(self._times) < MAX_MEASURE_STEPS and self.ladder.close_call(step_ms, self.report.eager_step_ms):
+        spread = self._rollout.machine.agreement.slowest(max(self._times) / max(min(self._times), 1e-9))
+        unsure = self.ladder.close_call(step_ms, self.report.eager_step_ms) or spread > 1 + 2 * self.ladder.margin
+        if len(self._times) < MAX_MEASURE_STEPS and unsure:
             self._due = MAX_MEASURE_STEPS
             return
         self._decide(step_ms)
 
+    def _same_regions_as(self) -> str | None:
+        """A rung timed before whose regions the current one captures too (``None`` if none, or not scoped)."""
+        driver = self._rollout.driver
+        if not isinstance(driver, ScopedDriver) or self._times:
+            return None
+        regions = frozenset(target.name for target in driver.regions.active_targets)
+        self._regions_of[self.ladder.current.name] = regions
+        return next(
+            (name for name, seen in self._regions_of.items() if seen == regions and name != self.ladder.current.name),
+            None,
+        )
+
     def _decide(self, step_ms: float) -> None:
-        machine = self._rollout.machine
         self._measured, self._times = 0, []
         self._note_capture_time()
-        rung = self.ladder.measured(step_ms, self.report.eager_step_ms)
+        self._follow(self.ladder.measured(step_ms, self.report.eager_step_ms))
+
+    def _follow(self, rung: Rung | None) -> None:
+        """Carry out where the ladder says to go: nowhere (settled here), eager training, or another rung."""
+        machine = self._rollout.machine
         if rung is EAGER:
             machine.disable(
                 "not_faster",
@@ -169,8 +199,7 @@ class Climb:
             rollout.driver.before_first_capture = rollout._note_eager_time
             rollout.driver.first_eager_steps = self._eager_steps_before(rung, trainer)
             rollout.driver.start(trainer)
-        if isinstance(rollout.driver, ScopedDriver):
-            rollout.driver.warmup_iters = 1  # the regions already ran on this stream in every step so far
+
         rollout.backend.renew_pool()
         rollout.machine.begin_level()
         self._enter(rung)
@@ -181,10 +210,12 @@ class Climb:
         self._window.read()  # drop a partial window
         self._capture_mark = self.report.capture_ms_total
         self.report.level = rung.name
+        self._rollout.driver.measure_pool = self.ladder.settled  # the allocator snapshot once, for the level kept
         if not self.ladder.settled:
             self.ladder.row.status = "trying"
         if isinstance(self._rollout.driver, ScopedDriver):
             self._rollout.driver.keep_samples = not self.ladder.settled
+            self._rollout.driver.warmup_iters = 1  # the regions already ran on this stream in every step so far
         if self.ladder.settled:
             rank_zero_info(f"{self.component}: scope='auto' goes back to {rung.name!r}: {self.ladder.describe()}")
 
@@ -192,6 +223,8 @@ class Climb:
         driver = self._rollout.driver
         if isinstance(driver, ScopedDriver):
             driver.forget_samples()
+        driver.measure_pool = True
+        self.report.pool_mib = self._rollout.backend.pool_mib()
         rank_zero_info(f"{self.component}: scope='auto' settled on {self.report.level!r}: {self.ladder.describe()}")
 
     def _note_capture_time(self) -> None:

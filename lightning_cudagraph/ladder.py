@@ -40,7 +40,7 @@ MARGIN = 0.05
 #: Steps timed per rung on its graphs, from the step after its capture and parity checks: their median decides
 #: when it is clear of the margin by a margin; a closer call is timed over up to :data:`MAX_MEASURE_STEPS`.
 MEASURE_STEPS = 2
-MAX_MEASURE_STEPS = 6
+MAX_MEASURE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,15 @@ class Ladder:
         bar = reference * (1 - self.margin)
         return not math.isnan(bar) and abs(step_ms - bar) < bar * self.margin
 
+    def same_as(self, other: str) -> Rung | None:
+        """The current rung ended up capturing the regions ``other`` did (every layer narrowed to its parts).
+
+        It is not timed again. Returns the rung to move to next, ``None`` to stay, or :data:`EAGER`.
+        """
+        row = self.row
+        row.status, row.reason = "skipped", f"after narrowing, the same regions as {other!r}"
+        return self._next()
+
     def measured(self, step_ms: float, eager_ms: float) -> Rung | None:
         """The current rung is confirmed and timed: the rung to move to next, ``None`` to stay, or :data:`EAGER`."""
         row = self.row
@@ -199,6 +208,9 @@ class Ladder:
             row.status = "kept"
         else:
             row.status = "slower"
+        return self._next()
+
+    def _next(self) -> Rung | None:
         if self._position + 1 < len(self._rungs):
             self._position += 1
             return self.current

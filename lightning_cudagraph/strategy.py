@@ -231,7 +231,11 @@ def _attach_callback(trainer: pl.Trainer, strategy: _CUDAGraphStrategyMixin) -> 
 
 
 _REGISTERED = {
-    "cudagraph": (CUDAGraphStrategy, {}, "CUDA graphs on the narrowest scope that finds modules (attn, mlp, layer)"),
+    "cudagraph": (
+        CUDAGraphStrategy,
+        {},
+        "CUDA graphs at the fastest level that works: attn, attn+mlp, layer or the whole step (scope='auto')",
+    ),
     "cudagraph_attn": (CUDAGraphStrategy, {"scope": ["attn"]}, "CUDA graphs on attention modules"),
     "cudagraph_mlp": (CUDAGraphStrategy, {"scope": ["mlp"]}, "CUDA graphs on MLP modules"),
     "cudagraph_attn_mlp": (CUDAGraphStrategy, {"scope": ["attn", "mlp"]}, "CUDA graphs on attention and MLPs"),

@@ -214,6 +214,9 @@ def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
     assert report.rollbacks == 0 and report.stage == Stage.REPLAYING
     parts = {f"{layer}.{part}" for layer in layers for part in ("attn", "moe.router")}
     assert parts <= {region.name for region in backend.regions}, "the parts were captured in place of the layers"
+    layer_row = report.ladder[2]
+    assert (layer_row.status, layer_row.reason) == ("skipped", "after narrowing, the same regions as 'attn+mlp'")
+    assert report.level == "attn+mlp"
     assert_losses_close(eager.losses, run.losses, 1e-5)
 
 

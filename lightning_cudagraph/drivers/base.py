@@ -47,6 +47,9 @@ class Driver(ABC):
         self.captured_any = False
         #: Eager steps the first batch shape runs before its capture (a later level of ``scope="auto"`` needs fewer).
         self.first_eager_steps = config.eager_steps
+        #: Read the pool's size after each capture (an allocator snapshot); ``scope="auto"`` reads it once settled,
+        #: unless ``max_pool_mib`` needs it at every capture.
+        self.measure_pool = True
 
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
         return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)
@@ -91,8 +94,10 @@ class Driver(ABC):
         self.captured_any = True
         self.report.graphs = graphs
         self.report.capture_ms = (time.perf_counter() - started) * 1e3
-        self.report.pool_mib = self.backend.pool_mib()
         budget = self.config.max_pool_mib
+        if budget is None and not self.measure_pool:
+            return True
+        self.report.pool_mib = self.backend.pool_mib()
         if budget is not None and self.report.pool_mib > budget:
             self.machine.rollback(f"memory_budget: graphs hold {self.report.pool_mib:.1f} MiB > {budget} MiB")
             return False

@@ -216,9 +216,10 @@ class ScopedDriver(Driver):
                 " from the step's outputs, outside the captured modules"
             )
             return False
+        held = f"; graphs hold {self.report.pool_mib:.1f} MiB" if self.measure_pool else ""
         rank_zero_info(
             f"{self.component}: captured {len(regions)} region(s) for batch {describe_batch_key(batch)} in"
-            f" {self.report.capture_ms:.0f} ms; graphs hold {self.report.pool_mib:.1f} MiB"
+            f" {self.report.capture_ms:.0f} ms{held}"
         )
         return True
 
