@@ -10,22 +10,21 @@ capturable optimizer first (NCCL's eager steps first under DDP).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph.config import FULL_ITERATION
+from lightning_cudagraph.drivers.base import Driver
 from lightning_cudagraph.drivers.scoped import ScopedDriver
+from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport, Stage, StepTimer, median
 from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung
 from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP
 from lightning_cudagraph.scopes import Target
-
-if TYPE_CHECKING:
-    from lightning_cudagraph.rollout import Rollout
+from lightning_cudagraph.stages import StageMachine
 
 
 class Climb:
@@ -40,7 +39,11 @@ class Climb:
     def __init__(self, rungs: Sequence[Rung], report: CUDAGraphReport, component: str) -> None:
         self.ladder = Ladder(rungs, report)
         self.report, self.component = report, component
-        self._rollout: Rollout | None = None
+        #: The driver of the level training is on (``None`` until :meth:`attach`).
+        self.driver: Driver | None = None
+        self._make_driver: Callable[[bool, list[str]], Driver] | None = None
+        self._machine: StageMachine | None = None
+        self._backend: CaptureBackend | None = None
         self._trainer: pl.Trainer | None = None
         self._window = StepTimer(use_cuda=False)
         self._timing = False
@@ -68,13 +71,26 @@ class Climb:
         if problem is not None:
             self.ladder.skip(FULL_ITERATION, problem)
 
-    def attach(self, rollout: Rollout, trainer: pl.Trainer) -> None:
-        """Start on the first rung: its driver runs the warmup steps, recording every scoped rung's targets."""
-        self._rollout, self._trainer = rollout, trainer
-        self._window = rollout.backend.timer()
-        rollout.machine.on_level_failure = self._level_failed
+    def attach(
+        self,
+        trainer: pl.Trainer,
+        backend: CaptureBackend,
+        machine: StageMachine,
+        make_driver: Callable[[bool, list[str]], Driver],
+    ) -> None:
+        """Start on the first rung: its driver runs the warmup steps, recording every scoped rung's targets.
+
+        Args:
+            trainer: The Trainer of the fit.
+            backend: Gives the timer and a new pool for each level.
+            machine: The stage machine; a level's failure is offered to the climb before it becomes a rollback.
+            make_driver: Builds a driver for the whole step (``True``) or for the named scoped targets.
+        """
+        self._trainer, self._backend, self._machine, self._make_driver = trainer, backend, machine, make_driver
+        self._window = backend.timer()
+        machine.on_level_failure = self._level_failed
         rung = self.ladder.current
-        rollout.driver = rollout.driver_for(trainer, rung.full_step, _names(rung))
+        self.driver = make_driver(rung.full_step, _names(rung))
         self._enter(rung)
 
     # ------------------------------------------------------------------ per step (no host sync)
@@ -85,11 +101,11 @@ class Climb:
         confirmation's graphed steps included.
         """
         self._timing = (
-            self._rollout is not None
+            self._machine is not None
             and not self.ladder.settled
             and self._pending is None
             and self._since_capture >= 1
-            and self._rollout.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
+            and self._machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
         )
 
     def step_ended(self) -> None:
@@ -98,10 +114,10 @@ class Climb:
         A timed step's time runs from the previous step's end to its own, so Lightning's work between steps counts
         as it does in training.
         """
-        if self.ladder.settled or self._rollout is None:
+        if self.ladder.settled or self._machine is None:
             return
         self.ladder.row.steps += 1
-        on_graphs = self._rollout.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
+        on_graphs = self._machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
         self._since_capture += on_graphs
         if self._timing:
             self._window.stop()
@@ -111,9 +127,9 @@ class Climb:
 
     def move_if_due(self) -> None:
         """At the end of a batch: go where a failure sent the ladder, or decide once the level is confirmed, timed."""
-        if self._rollout is None:
+        if self._machine is None:
             return
-        machine = self._rollout.machine
+        machine = self._machine
         if self._pending is not None:
             rung, self._pending = self._pending, None
             self._switch(rung)
@@ -122,7 +138,7 @@ class Climb:
 
     # ------------------------------------------------------------------ decisions
     def _time_or_decide(self) -> None:
-        """Decide on the steps timed so far (one host sync), or time a close or noisy call over a few more steps."""
+        """Decide on the steps timed so far (one host sync), or time a close call over a few more steps."""
         same = self._same_regions_as()
         if same is not None:
             self._measured, self._times = 0, []
@@ -130,9 +146,9 @@ class Climb:
             self._follow(self.ladder.same_as(same))
             return
         self._times.extend(self._window.read())
-        step_ms = self._rollout.machine.agreement.slowest(median(self._times))
-        spread = self._rollout.machine.agreement.slowest(max(self._times) / max(min(self._times), 1e-9))
-        unsure = self.ladder.close_call(step_ms, self.report.eager_step_ms) or spread > 1 + 2 * self.ladder.margin
+        step_ms = self._machine.agreement.slowest(median(self._times))
+        spread = self._machine.agreement.slowest(max(self._times) / max(min(self._times), 1e-9))
+        unsure = self.ladder.close_call(step_ms, self.report.eager_step_ms, spread)
         if len(self._times) < MAX_MEASURE_STEPS and unsure:
             self._due = MAX_MEASURE_STEPS
             return
@@ -140,7 +156,7 @@ class Climb:
 
     def _same_regions_as(self) -> str | None:
         """A rung timed before whose regions the current one captures too (``None`` if none, or not scoped)."""
-        driver = self._rollout.driver
+        driver = self.driver
         if not isinstance(driver, ScopedDriver) or self._times:
             return None
         regions = frozenset(target.name for target in driver.regions.active_targets)
@@ -157,7 +173,7 @@ class Climb:
 
     def _follow(self, rung: Rung | None) -> None:
         """Carry out where the ladder says to go: nowhere (settled here), eager training, or another rung."""
-        machine = self._rollout.machine
+        machine = self._machine
         if rung is EAGER:
             machine.disable(
                 "not_faster",
@@ -171,7 +187,7 @@ class Climb:
 
     def _level_failed(self, reason: str) -> bool:
         """A level failed while climbing: go back to the best level confirmed below it (``False``: there is none)."""
-        if self.ladder.settled or self._rollout is None:
+        if self.ladder.settled or self._machine is None:
             return False
         failed = self.ladder.current.name
         self._note_capture_time()
@@ -182,26 +198,24 @@ class Climb:
             f"{self.component}: level {failed!r} of scope='auto' failed ({reason}); training goes back to"
             f" {rung.name!r}, the fastest level confirmed before it"
         )
-        self._rollout.driver.release()
+        self.driver.release()
         self._driver_released = True
         self._pending = rung
         return True
 
     # ------------------------------------------------------------------ moving
     def _switch(self, rung: Rung) -> None:
-        rollout, trainer = self._rollout, self._trainer
-        driver = rollout.driver
+        trainer, driver = self._trainer, self.driver
         if not rung.full_step and isinstance(driver, ScopedDriver) and not self._driver_released:
             driver.capture_level(_names(rung))
         else:
             driver.release()
-            rollout.driver = rollout.driver_for(trainer, rung.full_step, _names(rung))
-            rollout.driver.before_first_capture = rollout._note_eager_time
-            rollout.driver.first_eager_steps = self._eager_steps_before(rung, trainer)
-            rollout.driver.start(trainer)
+            self.driver = self._make_driver(rung.full_step, _names(rung))
+            self.driver.first_eager_steps = self._eager_steps_before(rung, trainer)
+            self.driver.start(trainer)
 
-        rollout.backend.renew_pool()
-        rollout.machine.begin_level()
+        self._backend.renew_pool()
+        self._machine.begin_level()
         self._enter(rung)
 
     def _enter(self, rung: Rung) -> None:
@@ -210,21 +224,21 @@ class Climb:
         self._window.read()  # drop a partial window
         self._capture_mark = self.report.capture_ms_total
         self.report.level = rung.name
-        self._rollout.driver.measure_pool = self.ladder.settled  # the allocator snapshot once, for the level kept
+        self.driver.measure_pool = self.ladder.settled  # the allocator snapshot once, for the level kept
         if not self.ladder.settled:
             self.ladder.row.status = "trying"
-        if isinstance(self._rollout.driver, ScopedDriver):
-            self._rollout.driver.keep_samples = not self.ladder.settled
-            self._rollout.driver.warmup_iters = 1  # the regions already ran on this stream in every step so far
+        if isinstance(self.driver, ScopedDriver):
+            self.driver.keep_samples = not self.ladder.settled
+            self.driver.warmup_iters = 1  # the regions already ran on this stream in every step so far
         if self.ladder.settled:
             rank_zero_info(f"{self.component}: scope='auto' goes back to {rung.name!r}: {self.ladder.describe()}")
 
     def _settled(self) -> None:
-        driver = self._rollout.driver
+        driver = self.driver
         if isinstance(driver, ScopedDriver):
             driver.forget_samples()
         driver.measure_pool = True
-        self.report.pool_mib = self._rollout.backend.pool_mib()
+        self.report.pool_mib = self._backend.pool_mib()
         rank_zero_info(f"{self.component}: scope='auto' settled on {self.report.level!r}: {self.ladder.describe()}")
 
     def _note_capture_time(self) -> None:

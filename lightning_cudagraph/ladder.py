@@ -181,11 +181,15 @@ class Ladder:
             row.status, row.reason = "skipped", reason
         self.settled = not self._rungs
 
-    def close_call(self, step_ms: float, eager_ms: float) -> bool:
-        """Whether ``step_ms`` is too near the bar a rung must pass to decide on a few steps (time it longer)."""
+    def close_call(self, step_ms: float, eager_ms: float, spread: float = 1.0) -> bool:
+        """Whether ``step_ms`` is too near the bar a rung must pass to decide on a few steps (time it longer).
+
+        Near means within the margin of the bar, or within half the steps' spread (``max / min``) of it: a median
+        of noisy steps is only that sure.
+        """
         reference = self._rows[self._best.name].step_ms if self._best is not None else eager_ms
         bar = reference * (1 - self.margin)
-        return not math.isnan(bar) and abs(step_ms - bar) < bar * self.margin
+        return not math.isnan(bar) and abs(step_ms - bar) < max(bar * self.margin, step_ms * (spread - 1) / 2)
 
     def same_as(self, other: str) -> Rung | None:
         """The current rung ended up capturing the regions ``other`` did (every layer narrowed to its parts).

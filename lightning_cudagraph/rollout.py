@@ -11,6 +11,7 @@ confirmation and 6 replay (the drivers), 7 release (:meth:`Rollout.release`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,7 +53,7 @@ class Rollout:
         self.machine = StageMachine(self.report, component, config.on_failure, release=self.release)
         self.resolution = ScopeResolution()
         self.backend = backend
-        self.driver: Driver | None = None
+        self._driver: Driver | None = None
         #: ``scope="auto"``: the ladder of levels and its walk (``None`` for a fixed scope).
         self.climb: Climb | None = None
         self._parts: dict[str, tuple[Target, ...]] = {}
@@ -138,26 +139,33 @@ class Rollout:
         self._timer = self.backend.timer()
         self.machine.agreement = RankAgreement(trainer.strategy.root_device)
         if self.climb is not None:
-            self.climb.attach(self, trainer)
+            self.climb.attach(trainer, self.backend, self.machine, functools.partial(self.driver_for, trainer))
         else:
-            self.driver = self.driver_for(
-                trainer, self.config.full_iteration, [t.name for t in self.resolution.targets]
-            )
-        self.driver.before_first_capture = self._note_eager_time
+            targets = [t.name for t in self.resolution.targets]
+            self._driver = self.driver_for(trainer, self.config.full_iteration, targets)
 
     def driver_for(self, trainer: pl.Trainer, full_step: bool, active: list[str]) -> Driver:
         """A driver for the whole step, or for scoped regions with ``active`` targets captured."""
         collaborators = (self.config, self.component, self.backend, self.machine)
         if full_step:
-            return FullStepDriver(*collaborators)
-        patched = self.climb.scoped_targets if self.climb is not None else self.resolution.targets
-        patched = _with_parts(patched, self._parts)
-        regions = RegionSet(patched, active, self._parts, self.report, self.component)
-        if self.config.impl == "transformer_engine":
-            from lightning_cudagraph.drivers.te_scoped import TEScopedDriver
+            driver: Driver = FullStepDriver(*collaborators)
+        else:
+            patched = self.climb.scoped_targets if self.climb is not None else self.resolution.targets
+            patched = _with_parts(patched, self._parts)
+            regions = RegionSet(patched, active, self._parts, self.report, self.component)
+            if self.config.impl == "transformer_engine":
+                from lightning_cudagraph.drivers.te_scoped import TEScopedDriver
 
-            return TEScopedDriver(trainer, regions, *collaborators)
-        return ScopedDriver(regions, *collaborators)
+                driver = TEScopedDriver(trainer, regions, *collaborators)
+            else:
+                driver = ScopedDriver(regions, *collaborators)
+        driver.before_first_capture = self._note_eager_time
+        return driver
+
+    @property
+    def driver(self) -> Driver | None:
+        """The driver of the capture mode in use (under ``scope="auto"``, the current level's)."""
+        return self.climb.driver if self.climb is not None else self._driver
 
     def train_start(self, trainer: pl.Trainer) -> None:
         """Move training onto the backend's stream and start eager stabilization."""

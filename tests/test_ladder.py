@@ -14,7 +14,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph.ladder import MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, build_rungs
+from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.ladder import MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung, build_rungs
 from tests.fake_backend import FakeBackend
 from tests.helpers import assert_losses_close, fit, graph_callback, patched_forwards
 from tests.models import TINY, MoEDecoderModule, decoder
@@ -241,3 +242,14 @@ def test_a_fixed_scope_under_on_failure_raise_raises_on_the_first_region_that_fa
     with pytest.raises(RuntimeError, match=re.escape("model.blocks.1: capture_failed: RuntimeError: a host sync")):
         fit(*decoder(TINY), 8, [callback], **CPU)
     assert backend.live_graphs == 0
+
+
+def test_a_median_near_the_bar_is_timed_longer_when_its_steps_are_noisy_and_a_clear_one_is_not():
+    ladder = Ladder([Rung("attn"), Rung("layer")], CUDAGraphReport())
+    ladder.measured(10.0, eager_ms=20.0)  # attn is kept: layer must beat 10 ms by the margin
+    bar = 10.0 * (1 - MARGIN)
+    assert ladder.close_call(bar * 1.01, 20.0), "within the margin of the bar"
+    assert not ladder.close_call(bar * 0.8, 20.0, spread=1.3), "clear of the bar by more than the noise"
+    noisy = bar * 0.9
+    assert not ladder.close_call(noisy, 20.0, spread=1.05)
+    assert ladder.close_call(noisy, 20.0, spread=1.3), "half the spread of noisy steps reaches the bar"

@@ -85,7 +85,8 @@ def test_modules_overrides_and_custom_scopes_under_auto_shape_every_level():
     assert scopes["attn"] == ["model.blocks.0.attn", "model.head"]
     assert scopes["attn+mlp"] == ["model.blocks.0.attn", "model.blocks.0.mlp", "model.blocks.1.mlp", "model.head"]
     assert scopes["layer"] == ["model.blocks.0", "model.blocks.1", "model.head"]
-    assert callback.report.stage == Stage.REPLAYING
+    assert callback.report.captures >= 1 and callback.report.rollbacks == 0
+    assert callback.report.stage != Stage.DISABLED, callback.report.reason
 
 
 @pytest.mark.parametrize("options", [{"callbacks": [CUDAGraphCallback(scope=["layer"])]}, {"strategy": "cudagraph"}])
