@@ -34,9 +34,9 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_cudagraph import DDPCUDAGraphStrategy  # noqa: E402
-from lightning_cudagraph.ladder import MEASURE_STEPS  # noqa: E402
+from lightning_cudagraph.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
-from tests.helpers import LossRecorder, graph_callback, trainer  # noqa: E402
+from tests.helpers import LossRecorder, RebindAt, graph_callback, trainer  # noqa: E402
 from tests.models import TINY, TINY_DATA, decoder  # noqa: E402
 
 #: A collective that waits longer than this raises instead of hanging (the test's own timeout is the last resort).
@@ -45,7 +45,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 WARMUP = 2
 #: ``scope="auto"``: warmup, then per scoped level capture and parity, one graphed confirmation step and the timed
 #: steps; the whole step's eager steps up to NCCL's 11 are long done by the time the climb reaches it.
-AUTO_STEPS = WARMUP + 4 * (2 + MEASURE_STEPS) + 10
+AUTO_STEPS = WARMUP + 4 * (1 + MAX_MEASURE_STEPS) + 4
 #: Step times (ms) the fake timer reports per level; rank 1 overrides some of them in the ladder case.
 STEP_MS = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "full_iteration": 2.0}
 
@@ -99,11 +99,15 @@ class Case:
         options: Graph options of :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
         backend: Rank -> a callable making the keyword arguments of :class:`LateStepFailure` for that rank.
         max_steps: Optimizer steps of the fit.
+        callbacks: Rank -> a callable making extra callbacks of the graphed fit on that rank.
+        log_every_n_steps: The Trainer's log interval (the package's health checks run on it).
     """
 
     options: dict[str, Any]
     backend: dict[int, Callable[[], dict[str, Any]]] = field(default_factory=dict)
     max_steps: int = 8
+    callbacks: dict[int, Callable[[], list[Any]]] = field(default_factory=dict)
+    log_every_n_steps: int = 50
 
 
 def _fails_on_rank_1(**rank_1: Any) -> dict[int, Callable[[], dict[str, Any]]]:
@@ -134,6 +138,14 @@ CASES: dict[str, Case] = {
             1: lambda: {"step_ms": timed_by_level({**STEP_MS, "layer": 9.0, "full_iteration": 9.0})},
         },
         max_steps=AUTO_STEPS,
+    ),
+    # A parameter is rebound on rank 1 only, once the graphs replay: found there at the next step, agreed at the
+    # next health check (log interval), where every rank rolls back.
+    "rebind_on_rank_1": Case(
+        {"scope": ["layer"], "warmup_steps": WARMUP},
+        callbacks={1: lambda: [RebindAt(WARMUP + 3, "model.blocks.0.mlp.fc.weight")]},
+        max_steps=12,
+        log_every_n_steps=4,
     ),
     # The whole training step (DDP's all-reduce inside): its capture fails on rank 1, after the step's collectives.
     "full_step_fails": Case(
@@ -169,10 +181,19 @@ def _plain(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-def _fit(strategy: DDPStrategy, max_steps: int) -> tuple[Any, LossRecorder, torch.nn.Module]:
+def _fit(
+    strategy: DDPStrategy, max_steps: int, callbacks: list[Any] = (), log_every_n_steps: int = 50
+) -> tuple[Any, LossRecorder, torch.nn.Module]:
     model, data = decoder(TINY, **TINY_DATA)
     losses = LossRecorder()
-    run = trainer(max_steps, [losses], accelerator="cpu", devices=2, strategy=strategy)
+    run = trainer(
+        max_steps,
+        [losses, *callbacks],
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        log_every_n_steps=log_every_n_steps,
+    )
     run.fit(model, datamodule=data)
     return run, losses, model
 
@@ -186,7 +207,8 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
     backend = LateStepFailure(**case.backend.get(rank, dict)())
     strategy = DDPCUDAGraphStrategy(**case.options, process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     strategy.capture_backend = backend
-    run, losses, model = _fit(strategy, case.max_steps)
+    extra = case.callbacks.get(rank, list)()
+    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps)
 
     report = graph_callback(run).report
     return {

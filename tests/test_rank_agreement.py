@@ -186,6 +186,21 @@ def test_a_region_left_eager_for_another_ranks_parity_failure_says_so(ranks: Cal
     assert "on another rank" in rank0["exclusions"]["model.blocks.1"], rank0["exclusions"]
 
 
+def test_a_parameter_rebound_on_one_rank_rolls_back_every_rank_at_the_next_health_check(
+    ranks: Callable[[str], Ranks],
+) -> None:
+    rank0, rank1 = ranks("rebind_on_rank_1")
+
+    assert_trained_alike(rank0, rank1, 12)
+    for report in (rank0, rank1):
+        assert (report["stage"], report["rollbacks"]) == (-1, 1), report
+    assert "address_changed" in rank1["rollback_reasons"][0]
+    assert "another rank" in rank0["rollback_reasons"][0]
+    assert rank1["steps_eager"] > rank0["steps_eager"], "rank 1 ran its steps eagerly until every rank agreed"
+    for report in (rank0, rank1):
+        assert_losses_as_eager(report)
+
+
 # ---------------------------------------------------------------------------------------------- scope="auto"
 def test_scope_auto_settles_every_rank_on_the_same_level_timed_by_the_slowest_rank(
     ranks: Callable[[str], Ranks],

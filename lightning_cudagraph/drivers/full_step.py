@@ -242,9 +242,9 @@ class FullStepDriver(Driver):
         since, self._last_nonfinite_check = self._last_nonfinite_check, step
         if count:
             self.report.nonfinite.append((first, count))
-            self.machine.rollback(
-                f"nonfinite_loss: {count} non-finite loss(es) in steps {since}-{step - 1}, first at step {first}"
-            )
+        if self.machine.agreement.any_of([count > 0])[0]:  # every rank rolls back, or none
+            where = f"first at step {first}" if count else "on another rank"
+            self.machine.rollback(f"nonfinite_loss: {count} non-finite loss(es) in steps {since}-{step - 1}, {where}")
 
     def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
         """Save optimizers as the user built them (float learning rates, their own flags)."""

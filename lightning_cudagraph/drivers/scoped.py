@@ -17,13 +17,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
-from lightning_cudagraph.drivers.evidence import MetricUpdates, StateWatch
+from lightning_cudagraph.drivers.evidence import StateWatch
+from lightning_cudagraph.drivers.region_capture import RegionCapturer
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, ReplayEntry, StepRoute
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.graphs.backend import RegionCapture, RegionCaptures
+from lightning_cudagraph.graphs.backend import RegionCapture
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.hooks import hooks_stashed, inner_hook_count
+from lightning_cudagraph.hooks import inner_hook_count
 from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.signature import describe_batch_key
@@ -56,6 +57,7 @@ class ScopedDriver(Driver):
         #: Eager forward-backward iterations per region before its capture (fewer once the regions are warm).
         self.warmup_iters = CAPTURE_WARMUP_ITERS
         self.recorder = WarmupRecorder(self.targets)
+        self.capturer = RegionCapturer(self.config, self.backend, self.machine, regions)
         self.state = StateWatch()
         self.router = CallRouter(
             self.report,
@@ -70,6 +72,7 @@ class ScopedDriver(Driver):
         self._uncapturable: set[tuple[Any, ...]] = set()
         self._autocast = False
         self._microbatches = 1
+        self._pending_problem: str | None = None
 
     def start(self, trainer: pl.Trainer) -> None:
         """Patch the targets' forwards: from now on every call goes through the router."""
@@ -99,8 +102,7 @@ class ScopedDriver(Driver):
         self._count_step(route)
         if not self.machine.graphs_allowed:
             return
-        if route.problem is not None:
-            self.machine.rollback(route.problem)
+        if self._problem_rolls_back(route):
             return
         graph_set = route.graph_set
         if graph_set is None or not route.confirming or not self._confirmed(route):
@@ -112,6 +114,35 @@ class ScopedDriver(Driver):
             self.machine.confirm_losses.observe(outputs)
             if graph_set.confirm_left <= 0:
                 self._finish_confirmation(graph_set)
+
+    def _problem_rolls_back(self, route: StepRoute) -> bool:
+        """Roll back on a problem the step found (parameters changed), taken for every rank at once.
+
+        A confirming step ends at a decision point on every rank: the problem is agreed there. A replaying step
+        is not one: alone, the rollout rolls back now; under several ranks the problem waits for the next health
+        check (its steps fall back to eager on this rank until then, which keeps them right).
+        """
+        agreement = self.machine.agreement
+        if route.confirming:
+            if agreement.any_of([route.problem is not None])[0]:
+                self.machine.rollback(route.problem or "address_changed: a parameter was rebound on another rank")
+                return True
+            return False
+        if route.problem is None:
+            return False
+        if agreement.world_size == 1:
+            self.machine.rollback(route.problem)
+        else:
+            self._pending_problem = self._pending_problem or route.problem
+        return True
+
+    def health_check(self, step: int) -> None:
+        """Under several ranks, once per log interval: roll back every rank if one found a problem since."""
+        if self.machine.agreement.world_size == 1 or not self.machine.graphs_allowed:
+            return
+        problem, self._pending_problem = self._pending_problem, None
+        if self.machine.agreement.any_of([problem is not None])[0]:
+            self.machine.rollback(problem or "parameters changed on another rank since capture")
 
     def _after_step(self, route: StepRoute) -> None:
         """Extension point for what a capture mode keeps per step (the FP8 weight cache)."""
@@ -190,15 +221,14 @@ class ScopedDriver(Driver):
         self._before_first_capture()
         self._note_memory_before_capture()
         started = time.perf_counter()
-        captured = self._capture_pass(calls)
-        while captured is not None and captured.failed:  # narrow around what cannot be captured, then again
-            if not self._narrow(captured):
-                return False
-            self.backend.renew_pool()  # the allocator cannot capture into a pool after a failed capture
-            captured = self._capture_pass(self.recorder.plan(self.regions.left_out(), batch).calls)
-        if captured is None:
+        regions = self.capturer.capture(
+            calls,
+            lambda: self.recorder.plan(self.regions.left_out(), batch).calls,
+            self.warmup_iters,
+            self.region_capture,
+        )
+        if regions is None:
             return False
-        regions = captured.regions
         for region in regions:
             region.on_backward = self.router.on_backward
         entries = {self._index[region.name]: ReplayEntry(region) for region in regions}
@@ -208,7 +238,7 @@ class ScopedDriver(Driver):
         self._autocast = self._autocast or any(region.signature.autocast[0] for region in regions)
         if not self._captured(started, sum(len(s.entries) for s in self.graph_sets.values())):
             return False
-        updated = self._metrics.changed()
+        updated = self.capturer.metrics.changed()
         if updated:
             self.machine.rollback(
                 f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside a captured region; a replay"
@@ -221,55 +251,6 @@ class ScopedDriver(Driver):
             f"{self.component}: captured {len(regions)} region(s) for batch {describe_batch_key(batch)} in"
             f" {self.report.capture_ms:.0f} ms{held}"
         )
-        return True
-
-    def _capture_pass(self, calls: list[RecordedCall]) -> RegionCaptures | None:
-        """One capture pass, its outcome agreed by every rank; ``None`` when it failed as a whole (rolled back)."""
-        modules = [call.module for call in calls]
-        self._metrics = MetricUpdates((call.name, call.module) for call in calls)
-        error: Exception | None = None
-        started = time.perf_counter()
-        try:
-            with self.backend.preserved(modules), self.backend.failure_guard(), hooks_stashed(modules):
-                captured = self.backend.capture_regions(calls, self.warmup_iters, self.region_capture)
-        except Exception as err:  # a failed capture must not end training silently, nor leak anything
-            error, captured = err, RegionCaptures()
-        finally:
-            self.report.capture_ms_total += (time.perf_counter() - started) * 1e3
-        if not self.machine.agreement.all_ok(error is None):
-            for region in captured.regions:
-                region.reset()
-            self._capture_failed(error or RuntimeError("the capture failed on another rank"))
-            return None
-        agreed = self.machine.agreement.any_of([call.name in captured.failed for call in calls])
-        captured.failed = {
-            call.name: captured.failed.get(call.name) or RuntimeError("its capture failed on another rank")
-            for call, failed in zip(calls, agreed, strict=True)
-            if failed
-        }
-        for region in [r for r in captured.regions if r.name in captured.failed]:
-            region.reset()
-            captured.regions.remove(region)
-        return captured
-
-    def _narrow(self, captured: RegionCaptures) -> bool:
-        """Leave the regions that failed eager (a layer: its parts instead); ``False`` if nothing is left to try."""
-        for region in captured.regions:  # one pass, one pool: the others are captured again
-            region.reset()
-        reasons = {name: f"capture_failed: {type(e).__name__}: {e}" for name, e in captured.failed.items()}
-        if self.config.on_failure == "raise" and not self.config.auto_scope:  # a fixed scope: the user's choice
-            name = next(iter(reasons))
-            self.machine.rollback(f"{name}: {reasons[name]}", captured.failed[name])
-            return False
-        replaced = {name for name in reasons if self.regions.replace_with_parts(name, reasons[name])}
-        left = [t for t in self.regions.active_targets if t.name not in reasons]
-        for name in reasons.keys() - replaced:
-            self.regions.exclude(name, reasons[name], warn=bool(left))
-        if not left:
-            first = next(iter(reasons.values()))
-            excluded = len(self.regions.excluded)
-            self._capture_failed(RuntimeError(f"no region could be captured; {excluded} failed, last: {first}"))
-            return False
         return True
 
     # ------------------------------------------------------------------ stage 5: replay confirmation

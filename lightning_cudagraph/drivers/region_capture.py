@@ -1,0 +1,116 @@
+"""Capture passes of scoped regions, narrowed around the regions that cannot be captured.
+
+A pass captures the planned calls in execution order into one pool (:meth:`CaptureBackend.capture_regions`). Its
+outcome is agreed by every rank: a pass that fails as a whole rolls back; a region that fails (a host sync, a
+CPU-GPU copy) is left eager, or under ``scope="auto"`` a layer gives way to its parts (see
+:class:`~lightning_cudagraph.drivers.regions.RegionSet`), and the pass runs again without it into a new pool, since
+the allocator cannot capture into a pool after a failed capture.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.drivers.evidence import MetricUpdates
+from lightning_cudagraph.drivers.regions import RegionSet
+from lightning_cudagraph.graphs.backend import CaptureBackend, Region, RegionCapture, RegionCaptures
+from lightning_cudagraph.hooks import hooks_stashed
+from lightning_cudagraph.recording import RecordedCall
+from lightning_cudagraph.stages import StageMachine
+
+
+class RegionCapturer:
+    """Runs capture passes until the regions left can all be captured, or nothing is left.
+
+    Args:
+        config: The options (``on_failure`` and whether the scope is ``auto`` decide what a failed region does).
+        backend: Captures.
+        machine: Agrees the outcome across ranks, and rolls back.
+        regions: Which targets are captured; exclusions and replacements are recorded there.
+
+    Example:
+        >>> capturer = RegionCapturer(config, backend, machine, regions)  # doctest: +SKIP
+        >>> regions = capturer.capture(plan.calls, replan, warmup_iters=3)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, config: CUDAGraphConfig, backend: CaptureBackend, machine: StageMachine, regions: RegionSet
+    ) -> None:
+        self.config, self.backend, self.machine, self.regions = config, backend, machine, regions
+        #: Update counts of the metrics inside the last pass's regions, taken before it.
+        self.metrics = MetricUpdates([])
+
+    def capture(
+        self,
+        calls: list[RecordedCall],
+        replan: Callable[[], list[RecordedCall]],
+        warmup_iters: int,
+        how: RegionCapture | None = None,
+    ) -> list[Region] | None:
+        """The regions captured, or ``None`` when the capture failed as a whole (then it has rolled back).
+
+        Args:
+            calls: The planned calls, in execution order.
+            replan: The calls left to capture once the regions that failed are out.
+            warmup_iters: Eager forward-backward iterations per region before its capture.
+            how: How regions are captured (``None``: the backend's default).
+        """
+        captured = self._pass(calls, warmup_iters, how)
+        while captured is not None and captured.failed:
+            if not self._narrow(captured):
+                return None
+            self.backend.renew_pool()
+            captured = self._pass(replan(), warmup_iters, how)
+        return None if captured is None else captured.regions
+
+    def _pass(self, calls: list[RecordedCall], warmup_iters: int, how: RegionCapture | None) -> RegionCaptures | None:
+        """One capture pass, its outcome agreed by every rank; ``None`` when it failed as a whole (rolled back)."""
+        modules = [call.module for call in calls]
+        self.metrics = MetricUpdates((call.name, call.module) for call in calls)
+        error: Exception | None = None
+        started = time.perf_counter()
+        try:
+            with self.backend.preserved(modules), self.backend.failure_guard(), hooks_stashed(modules):
+                captured = self.backend.capture_regions(calls, warmup_iters, how)
+        except Exception as err:  # a failed capture must not end training silently, nor leak anything
+            error, captured = err, RegionCaptures()
+        finally:
+            self.machine.report.capture_ms_total += (time.perf_counter() - started) * 1e3
+        if not self.machine.agreement.all_ok(error is None):
+            for region in captured.regions:
+                region.reset()
+            self._failed(error or RuntimeError("the capture failed on another rank"))
+            return None
+        agreed = self.machine.agreement.any_of([call.name in captured.failed for call in calls])
+        captured.failed = {
+            call.name: captured.failed.get(call.name) or RuntimeError("its capture failed on another rank")
+            for call, failed in zip(calls, agreed, strict=True)
+            if failed
+        }
+        return captured
+
+    def _narrow(self, captured: RegionCaptures) -> bool:
+        """Leave the regions that failed eager (a layer: its parts instead); ``False`` if nothing is left to try."""
+        for region in captured.regions:  # one pass, one pool: the others are captured again
+            region.reset()
+        reasons = {name: f"capture_failed: {type(e).__name__}: {e}" for name, e in captured.failed.items()}
+        if self.config.on_failure == "raise" and not self.config.auto_scope:  # a fixed scope: the user's choice
+            name = next(iter(reasons))
+            self.machine.rollback(f"{name}: {reasons[name]}", captured.failed[name])
+            return False
+        replaced = {name for name in reasons if self.regions.replace_with_parts(name, reasons[name])}
+        left = [t for t in self.regions.active_targets if t.name not in reasons]
+        for name in reasons.keys() - replaced:
+            self.regions.exclude(name, reasons[name], warn=bool(left))
+        if not left:
+            first = next(iter(reasons.values()))
+            self._failed(
+                RuntimeError(f"no region could be captured; {len(self.regions.excluded)} failed, last: {first}")
+            )
+            return False
+        return True
+
+    def _failed(self, error: Exception) -> None:
+        self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)
