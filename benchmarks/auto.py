@@ -45,6 +45,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks import hf
+from benchmarks.report import load_records
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import CONFIGS, Result, model_args, module_class, peak_memory, timing_trainer
 from examples.gpt import TokenDataModule
@@ -526,13 +527,7 @@ def summary(measured: dict[str, Any]) -> str:
 
 def write_markdown(out: Path) -> Path:
     """``AUTO.md`` from every ``auto_*.json`` in ``out``: per model and precision, the tables and the ratios."""
-    records = []
-    for path in sorted(out.glob("auto_*.json")):
-        with path.open() as handle:
-            record = json.load(handle)
-        if isinstance(record, dict) and record.get("kind") == "auto":
-            records.append(record)
-    records.sort(key=lambda r: PRECISIONS.index(r["precision"]) if r["precision"] in PRECISIONS else len(PRECISIONS))
+    records = load_records(out, "auto", PRECISIONS)
     text = '# `scope="auto"`: the adaptive ladder\n\nWritten by `benchmarks/auto.py` from the JSON beside this file.\n'
     path = out / MARKDOWN
     path.write_text(text + "".join(f"\n{section(record)}" for record in records))

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning.pytorch as pl
 import torch
 
+from benchmarks.report import load_records
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import Result, StepClock, peak_memory, timing_trainer
 from examples.gpt import TokenDataModule
@@ -245,13 +246,7 @@ def progress_line(result: dict[str, Any]) -> str:
 # =================================================================== Markdown
 def write_markdown(out: Path) -> Path:
     """``HF.md`` from every ``hf_*.json`` in ``out``: one table per model and precision."""
-    records = []
-    for path in sorted(out.glob("hf_*.json")):
-        with path.open() as handle:
-            record = json.load(handle)
-        if isinstance(record, dict) and record.get("kind") == "hf":
-            records.append(record)
-    records.sort(key=lambda r: PRECISIONS.index(r["precision"]) if r["precision"] in PRECISIONS else len(PRECISIONS))
+    records = load_records(out, "hf", PRECISIONS)
     text = "# CUDA graphs on Hugging Face models\n\nWritten by `benchmarks/hf.py` from the JSON beside this file.\n"
     path = out / MARKDOWN
     path.write_text(text + "".join(f"\n{section(record)}" for record in records))
@@ -282,6 +277,16 @@ def section(record: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def result_note(result: dict[str, Any]) -> str:
+    """A variant's note, its rollbacks, and why graphs were off."""
+    report = result.get("report") or {}
+    reasons = report.get("rollback_reasons") or []
+    note = "; ".join(filter(None, [result["note"], *(f"rolled back: {r}" for r in reasons)]))
+    if not reasons and report.get("reason"):
+        note = "; ".join(filter(None, [note, f"graphs off: {report['reason']}"]))
+    return note
+
+
 def table(results: list[dict[str, Any]]) -> str:
     header = (
         "| variant | ms/step | vs eager | peak MiB | pool MiB | capture ms | stage | replays | fallbacks"
@@ -291,10 +296,7 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = []
     for result in results:
         report = result.get("report") or {}
-        reasons = report.get("rollback_reasons") or []
-        note = "; ".join(filter(None, [result["note"], *(f"rolled back: {r}" for r in reasons)]))
-        if not reasons and report.get("reason"):
-            note = "; ".join(filter(None, [note, f"graphs off: {report['reason']}"]))
+        note = result_note(result)
         speedup = result.get("speedup")
         cells = [
             LABELS.get(result["variant"], result["variant"]),

@@ -69,6 +69,18 @@ def precision_label(precision: str) -> str:
     return PRECISION_LABELS.get(precision, precision)
 
 
+def load_records(out: Path, kind: str, precisions: Sequence[str]) -> list[dict[str, Any]]:
+    """The records of one benchmark script in ``out`` (``<kind>_*.json`` whose ``kind`` is ``kind``), by precision."""
+    records = []
+    for path in sorted(out.glob(f"{kind}_*.json")):
+        with path.open() as handle:
+            record = json.load(handle)
+        if isinstance(record, dict) and record.get("kind") == kind:
+            records.append(record)
+    order = {precision: i for i, precision in enumerate(precisions)}
+    return sorted(records, key=lambda record: order.get(record.get("precision"), len(order)))
+
+
 def load_runs(results_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The run records (JSON files of ``benchmarks/run.py``) in a directory, in report order; others are skipped."""
     runs = []

@@ -71,12 +71,12 @@ class Result:
 
 
 def timing_trainer(
-    steps: int, callbacks: list[pl.Callback], strategy: Any = "auto", precision: Any = "32-true"
+    steps: int, callbacks: list[pl.Callback], strategy: Any = "auto", precision: Any = "32-true", devices: int = 1
 ) -> pl.Trainer:
-    """A Trainer on one GPU that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    """A Trainer on ``devices`` GPUs that only trains: no logger, checkpoints, progress bar, summary or validation."""
     return pl.Trainer(
         accelerator="cuda",
-        devices=1,
+        devices=devices,
         strategy=strategy,
         precision=precision,
         max_steps=steps,

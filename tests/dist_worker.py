@@ -33,7 +33,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``tests`` and the pa
 import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
-from lightning_cudagraph import DDPCUDAGraphStrategy  # noqa: E402
+from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy  # noqa: E402
 from lightning_cudagraph.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
 from tests.helpers import LossRecorder, RebindAt, graph_callback, trainer  # noqa: E402
@@ -198,26 +198,11 @@ def _fit(
     return run, losses, model
 
 
-def run_case(name: str, rank: int) -> dict[str, Any]:
-    """Fit the case on this rank (after an eager reference fit) and return what the rank reports."""
-    case = CASES[name]
-    reference = DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    _, eager_losses, _ = _fit(reference, case.max_steps)
-
-    backend = LateStepFailure(**case.backend.get(rank, dict)())
-    strategy = DDPCUDAGraphStrategy(**case.options, process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    strategy.capture_backend = backend
-    extra = case.callbacks.get(rank, list)()
-    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps)
-
-    report = graph_callback(run).report
+def report_fields(report: CUDAGraphReport | None) -> dict[str, Any]:
+    """What the rollout decided and counted, as JSON-ready values (empty without a rollout: plain DDP)."""
+    if report is None:
+        return {}
     return {
-        "case": name,
-        "rank": run.global_rank,
-        "env_rank": rank,
-        "world_size": run.world_size,
-        "global_step": run.global_step,
-        "finished": run.state.finished,
         "stage": int(report.stage),
         "reason": report.reason,
         "rollbacks": report.rollbacks,
@@ -232,8 +217,34 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
         "graphs": report.graphs,
         "captures": report.captures,
         "replays": report.replays,
+        "fallbacks": report.fallbacks,
+        "fallback_reasons": dict(report.fallback_reasons),
         "steps_replayed": report.steps_replayed,
         "steps_eager": report.steps_eager,
+        "nonfinite": [list(entry) for entry in report.nonfinite],
+    }
+
+
+def run_case(name: str, rank: int) -> dict[str, Any]:
+    """Fit the case on this rank (after an eager reference fit) and return what the rank reports."""
+    case = CASES[name]
+    reference = DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    _, eager_losses, _ = _fit(reference, case.max_steps)
+
+    backend = LateStepFailure(**case.backend.get(rank, dict)())
+    strategy = DDPCUDAGraphStrategy(**case.options, process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    strategy.capture_backend = backend
+    extra = case.callbacks.get(rank, list)()
+    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps)
+
+    return {
+        "case": name,
+        "rank": run.global_rank,
+        "env_rank": rank,
+        "world_size": run.world_size,
+        "global_step": run.global_step,
+        "finished": run.state.finished,
+        **report_fields(graph_callback(run).report),
         "region_replays": {region.name: region.replays for region in backend.regions},
         "step_graph_replays": [graph.replays for graph in backend.step_graphs],
         "live_graphs": backend.live_graphs,
