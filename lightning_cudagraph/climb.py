@@ -211,6 +211,7 @@ class Climb:
         else:
             driver.release()
             self.driver = self._make_driver(rung.full_step, _names(rung))
+            self.driver.take_seal_from(driver)
             self.driver.first_eager_steps = self._eager_steps_before(rung, trainer)
             self.driver.start(trainer)
 

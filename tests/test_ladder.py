@@ -11,13 +11,15 @@ import csv
 import re
 
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.ladder import MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung, build_rungs
 from tests.fake_backend import FakeBackend
-from tests.helpers import assert_losses_close, fit, graph_callback, patched_forwards
+from tests.helpers import assert_losses_close, fit, graph_callback, patched_forwards, trainer
 from tests.models import TINY, MoEDecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -253,3 +255,20 @@ def test_a_median_near_the_bar_is_timed_longer_when_its_steps_are_noisy_and_a_cl
     noisy = bar * 0.9
     assert not ladder.close_call(noisy, 20.0, spread=1.05)
     assert ladder.close_call(noisy, 20.0, spread=1.3), "half the spread of noisy steps reaches the bar"
+
+
+def test_a_seal_before_the_ladder_settles_carries_to_every_level_and_admits_the_shapes_captured_before():
+    sizes = [4, 3] * (STEPS // 2 + 1) + [2]  # two shapes through the whole climb, then a third one
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(TINY["vocab_size"], (4, TINY["seq_len"] + 1), generator=generator)
+    data = DataLoader([(tokens[:n, :-1], tokens[:n, 1:]) for n in sizes], batch_size=None)
+    backend = timed()
+    strategy = auto_strategy(backend, on_shape_change="recapture", seal_after_steps=WARMUP + 6)
+    run = trainer(len(sizes), strategy=strategy, **CPU)
+    with pytest.raises(RuntimeError, match=r"batch shape \[int64\[2, 16\].*is sealed"):
+        run.fit(decoder(TINY)[0], data)
+
+    report = graph_callback(run).report
+    assert report.level == "full_iteration" and report.rollbacks == 0, report.ladder
+    replayed = [graph for graph in backend.step_graphs if graph.replays > 0]
+    assert len(replayed) >= 2, "both shapes sealed at an earlier level were captured again as whole steps"

@@ -70,6 +70,19 @@ class Driver(ABC):
     def seal(self, self_check: bool) -> None:
         """Close the set of batch shapes (a shape without graphs is an error from now on); optionally re-check them."""
 
+    @property
+    @abstractmethod
+    def shape_cache(self) -> ShapeCache[Any]:
+        """What this driver captured, by batch shape."""
+
+    def take_seal_from(self, other: Driver) -> None:
+        """Carry a seal over from the driver this one replaces (``scope="auto"`` moving to another level).
+
+        The shapes captured there may be captured here; any other raises.
+        """
+        if other.shape_cache.sealed:
+            self.shape_cache.seal(other.shape_cache.known)
+
     @abstractmethod
     def release(self) -> None:
         """Stage 7: free every graph and restore everything patched (idempotent)."""

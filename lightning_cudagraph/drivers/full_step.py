@@ -97,7 +97,7 @@ class FullStepDriver(Driver):
         change = f"batch shape {describe_batch_key(key)} differs from the captured {captured}"
         in_use = self.machine.stage != Stage.WARMUP
         if in_use:
-            if self.steps.sealed:
+            if not self.steps.admits(key):
                 raise self.steps.sealed_error(key)
             if self.config.on_shape_change == "error":
                 raise shape_change_error(self.component, change)
@@ -205,6 +205,11 @@ class FullStepDriver(Driver):
         relog(module, whole.logs)
         whole.confirm_left -= 1
         return output
+
+    @property
+    def shape_cache(self) -> ShapeCache[WholeStep]:
+        """The captured steps by batch shape."""
+        return self.steps
 
     @property
     def capturing(self) -> bool:

@@ -169,7 +169,7 @@ class ScopedDriver(Driver):
         change = f"batch shape {describe_batch_key(batch)} differs from the captured {captured}"
         in_use = self.machine.stage != Stage.WARMUP  # graphs of other shapes exist: an eager step is a fallback
         if in_use:
-            if self.graph_sets.sealed:
+            if not self.graph_sets.admits(batch):
                 raise self.graph_sets.sealed_error(batch)
             if self.config.on_shape_change == "error":
                 raise shape_change_error(self.component, change)
@@ -314,6 +314,11 @@ class ScopedDriver(Driver):
             self.machine.confirm(graphs=self.report.graphs)
         else:
             graph_set.confirm_left = 1  # one more step, on the graphs
+
+    @property
+    def shape_cache(self) -> ShapeCache[GraphSet]:
+        """The graph sets by batch shape."""
+        return self.graph_sets
 
     def capture_level(self, names: Sequence[str]) -> None:
         """From the next batch on, capture these targets (a level of ``scope="auto"``).

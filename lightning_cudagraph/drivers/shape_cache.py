@@ -43,6 +43,9 @@ class ShapeCache(Generic[T]):
     def __init__(self, limit: int, report: CUDAGraphReport, component: str, reset: Callable[[T], None]) -> None:
         self.limit, self.report, self.component, self._reset = limit, report, component, reset
         self._items: OrderedDict[tuple[Any, ...], T] = OrderedDict()
+        #: Every shape captured so far, held or not: once sealed, these may be captured again (an evicted shape, or
+        #: the shapes of an earlier level of ``scope="auto"``).
+        self.known: set[tuple[Any, ...]] = set()
         self.sealed = False
         self._thrash_warned = False
 
@@ -61,10 +64,16 @@ class ShapeCache(Generic[T]):
             self.report.evictions += 1
             self._warn_if_thrashing()
         self._items[key] = item
+        self.known.add(key)
 
-    def seal(self) -> None:
-        """Close the set of shapes: no eviction, and any other shape is an error."""
+    def seal(self, known: set[tuple[Any, ...]] = frozenset()) -> None:
+        """Close the set of shapes to those captured so far (and ``known``): any other shape is an error."""
         self.sealed = True
+        self.known |= known
+
+    def admits(self, key: tuple[Any, ...]) -> bool:
+        """Whether a shape without graphs may be captured: always before the seal, then only a known shape."""
+        return not self.sealed or key in self.known
 
     def sealed_error(self, key: tuple[Any, ...]) -> RuntimeError:
         """The error for a shape outside a sealed set."""
