@@ -116,10 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f" {WARMUP_STEPS + LADDER_STEPS} steps to settle, so the timing may include it",
             flush=True,
         )
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(args.models) - set(MODELS))
-    if unknown or not args.models:
-        parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(MODELS)}")
+    args.models = hf.model_list(parser, args.models, MODELS)
     return args
 
 

@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +94,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--skip must be at least 0 and below --steps (got {args.skip}, {args.steps})")
     if args.skip < WARMUP_STEPS + 2:
         print(f"note: --skip {args.skip} times the eager warmup and the capture step as well", flush=True)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(args.models) - set(MODELS))
-    if unknown or not args.models:
-        parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(MODELS)}")
+    args.models = model_list(parser, args.models, MODELS)
     return args
+
+
+def model_list(parser: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
+    """The comma-separated models of ``--models``; an unknown or empty list is the parser's error."""
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(known))
+    if unknown or not models:
+        parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+    return models
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,8 @@ class RankAgreement:
     Example:
         >>> import torch
         >>> agreement = RankAgreement(torch.device("cpu"))  # one process: every answer is this rank's own
-        >>> agreement.all_ok(True), agreement.any_of([False, True]), agreement.slowest(2.5)
-        (True, [False, True], 2.5)
+        >>> agreement.all_ok(True), agreement.any_of([False, True]), agreement.slowest(2.5, 1.1)
+        (True, [False, True], [2.5, 1.1])
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -52,11 +52,11 @@ class RankAgreement:
         values = self._max([1.0 if flag else 0.0 for flag in flags])
         return [value > 0 for value in values]
 
-    def slowest(self, value: float) -> float:
-        """The largest value over the ranks, e.g. a step time (one collective)."""
+    def slowest(self, *values: float) -> list[float]:
+        """Element-wise, the largest of each value over the ranks, e.g. step times (one collective)."""
         if self.world_size == 1:
-            return value
-        return self._max([value])[0]
+            return list(values)
+        return self._max(list(values))
 
     def _max(self, values: list[float]) -> list[float]:
         backend = dist.get_backend()

@@ -146,8 +146,8 @@ class Climb:
             self._follow(self.ladder.same_as(same))
             return
         self._times.extend(self._window.read())
-        step_ms = self._machine.agreement.slowest(median(self._times))
-        spread = self._machine.agreement.slowest(max(self._times) / max(min(self._times), 1e-9))
+        spread = max(self._times) / max(min(self._times), 1e-9)
+        step_ms, spread = self._machine.agreement.slowest(median(self._times), spread)
         unsure = self.ladder.close_call(step_ms, self.report.eager_step_ms, spread)
         if len(self._times) < MAX_MEASURE_STEPS and unsure:
             self._due = MAX_MEASURE_STEPS

@@ -25,12 +25,12 @@ from lightning_cudagraph.agreement import RankAgreement
 from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver
-from lightning_cudagraph.drivers.full_step import FullStepDriver, eager_step
+from lightning_cudagraph.drivers.full_step import FullStepDriver
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
-from lightning_cudagraph.health import CUDAGraphReport, Stage, StepTimer, log_to_loggers, median
+from lightning_cudagraph.health import LEVEL_NUMBERS, CUDAGraphReport, Stage, StepTimer, log_to_loggers, median
 from lightning_cudagraph.ladder import Rung, build_rungs, replacement_parts
 from lightning_cudagraph.scopes import ScopeResolution, Target, candidate_names, resolve_scopes
 from lightning_cudagraph.signature import batch_key
@@ -216,7 +216,7 @@ class Rollout:
     def run_full_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """Carry out the planned step."""
         if not isinstance(self.driver, FullStepDriver):
-            return eager_step(run_step)  # with ``scope="auto"``, the optimizer may be capturable already
+            return run_step()
         return self.driver.run(trainer, closure, optimizer, run_step)
 
     def on_training_step_output(self, output: Any) -> None:
@@ -267,7 +267,7 @@ class Rollout:
         self._eager_noted = True
         self._eager_times.extend(self._timer.read())
         times = self._eager_times[1:] if len(self._eager_times) > 1 else self._eager_times
-        self.report.eager_step_ms = self.machine.agreement.slowest(median(times))
+        (self.report.eager_step_ms,) = self.machine.agreement.slowest(median(times))
 
     def _maybe_log(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -280,7 +280,7 @@ class Rollout:
         if trainer.progress_bar_callback is not None:
             bar = {"cudagraph/stage": float(self.stage)}
             if self.climb is not None:
-                bar["cudagraph/level"] = self.report.metrics().get("cudagraph/level", 0.0)
+                bar["cudagraph/level"] = float(LEVEL_NUMBERS.get(self.report.level or "", 0))
             if not math.isnan(self.report.speedup):
                 bar["cudagraph/speedup"] = round(self.report.speedup, 2)
             module.log_dict({k: torch.tensor(v) for k, v in bar.items()}, prog_bar=True, logger=False)

@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy  # noqa: E402
 from lightning_cudagraph.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
-from tests.helpers import LossRecorder, RebindAt, graph_callback, trainer  # noqa: E402
+from tests.helpers import LEVEL_MS, LossRecorder, RebindAt, graph_callback, timed_by_level, trainer  # noqa: E402
 from tests.models import TINY, TINY_DATA, decoder  # noqa: E402
 
 #: A collective that waits longer than this raises instead of hanging (the test's own timeout is the last resort).
@@ -46,25 +45,6 @@ WARMUP = 2
 #: ``scope="auto"``: warmup, then per scoped level capture and parity, one graphed confirmation step and the timed
 #: steps; the whole step's eager steps up to NCCL's 11 are long done by the time the climb reaches it.
 AUTO_STEPS = WARMUP + 4 * (1 + MAX_MEASURE_STEPS) + 4
-#: Step times (ms) the fake timer reports per level; rank 1 overrides some of them in the ladder case.
-STEP_MS = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "full_iteration": 2.0}
-
-
-def level_of(backend: FakeBackend) -> str:
-    """The level the step that just ended ran at, from the graphs alive at its end."""
-    if any(graph.live for graph in backend.step_graphs):
-        return "full_iteration"
-    names = backend.live_region_names
-    if any(re.fullmatch(r"model\.blocks\.\d+", name) for name in names):
-        return "layer"
-    if any(name.endswith(".mlp") for name in names):
-        return "attn+mlp"
-    return "attn" if names else "eager"
-
-
-def timed_by_level(table: dict[str, float]) -> Callable[[FakeBackend], float]:
-    """A ``step_ms`` for :class:`FakeBackend`: the time of the level the step ran at."""
-    return lambda backend: table[level_of(backend)]
 
 
 @dataclass
@@ -134,8 +114,8 @@ CASES: dict[str, Case] = {
     "auto_ladder": Case(
         {"warmup_steps": WARMUP},
         {
-            0: lambda: {"step_ms": timed_by_level(STEP_MS)},
-            1: lambda: {"step_ms": timed_by_level({**STEP_MS, "layer": 9.0, "full_iteration": 9.0})},
+            0: lambda: {"step_ms": timed_by_level(LEVEL_MS)},
+            1: lambda: {"step_ms": timed_by_level({**LEVEL_MS, "layer": 9.0, "full_iteration": 9.0})},
         },
         max_steps=AUTO_STEPS,
     ),

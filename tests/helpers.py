@@ -7,7 +7,8 @@ The models and data the tests train live in :mod:`tests.models`.
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_cudagraph import CUDAGraphCallback
+from tests.fake_backend import FakeBackend
 
 #: What every test Trainer turns off: no logger, checkpoints, progress bar, summary, sanity check or validation.
 QUIET = {
@@ -169,3 +171,25 @@ def graph_pool_bytes() -> int:
         for block in segment["blocks"]
         if block["state"] == "active_allocated"
     )
+
+
+# =================================================================== scope="auto" on the fake backend
+#: Step times (ms) per level that ladder tests give the fake timer: each wider level is faster.
+LEVEL_MS = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "full_iteration": 2.0}
+
+
+def level_of(backend: FakeBackend) -> str:
+    """The level of :func:`~tests.models.decoder` the step that just ended ran at, from what was alive then."""
+    if any(graph.live for graph in backend.step_graphs):
+        return "full_iteration"
+    names = backend.live_region_names
+    if any(re.fullmatch(r"model\.blocks\.\d+", name) for name in names):
+        return "layer"
+    if any(name.endswith((".mlp", ".router")) for name in names):
+        return "attn+mlp"
+    return "attn" if names else "eager"
+
+
+def timed_by_level(table: dict[str, float]) -> Callable[[FakeBackend], float]:
+    """A fake timer's ``step_ms``: the step time of the level each step ran at."""
+    return lambda backend: table[level_of(backend)]

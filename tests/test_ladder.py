@@ -19,7 +19,7 @@ from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.ladder import MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung, build_rungs
 from tests.fake_backend import FakeBackend
-from tests.helpers import assert_losses_close, fit, graph_callback, patched_forwards, trainer
+from tests.helpers import LEVEL_MS, assert_losses_close, fit, graph_callback, patched_forwards, timed_by_level, trainer
 from tests.models import TINY, MoEDecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -30,22 +30,9 @@ STEPS_PER_LEVEL = 1 + MEASURE_STEPS
 STEPS = WARMUP + 4 * (1 + MAX_MEASURE_STEPS) + 4
 
 
-def level_of(backend: FakeBackend) -> str:
-    """The level training ran at in the step that just ended, read from what was alive then."""
-    if any(graph.live for graph in backend.step_graphs):
-        return "full_iteration"
-    names = backend.live_region_names
-    if any(re.fullmatch(r"model\.blocks\.\d+", name) for name in names):
-        return "layer"
-    if any(name.endswith((".mlp", ".router")) for name in names):
-        return "attn+mlp"
-    return "attn" if names else "eager"
-
-
 def timed(**ms: float) -> FakeBackend:
-    """A fake backend whose steps take ``ms[level]`` milliseconds."""
-    table = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "full_iteration": 2.0, **ms}
-    return FakeBackend(step_ms=lambda backend: table[level_of(backend)])
+    """A fake backend whose steps take ``ms[level]`` milliseconds (:data:`~tests.helpers.LEVEL_MS` otherwise)."""
+    return FakeBackend(step_ms=timed_by_level({**LEVEL_MS, **ms}))
 
 
 def auto_callback(backend: FakeBackend, **options) -> CUDAGraphCallback:

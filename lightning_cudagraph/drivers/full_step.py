@@ -125,12 +125,12 @@ class FullStepDriver(Driver):
                 self.report.steps_eager += 1
                 if isinstance(plan, EagerStep) and plan.fallback is not None:
                     self.report.count_fallback(plan.fallback)
-            return eager_step(run_step)
+            return _eager(run_step)
         module = trainer.lightning_module
         if isinstance(plan, CaptureStep):
             first = self.machine.stage == Stage.WARMUP
             if not self._capture(plan, optimizer, run_step, module):
-                return eager_step(run_step)
+                return _eager(run_step)
             if first:
                 self._first = plan.whole
                 self.machine.begin_confirmation()
@@ -139,7 +139,7 @@ class FullStepDriver(Driver):
             problem = self.state.problem()
             if problem is not None:
                 self.machine.rollback(problem)
-                return eager_step(run_step)
+                return _eager(run_step)
             whole = self.steps.get(plan.key)
         return self._replay(whole, trainer, closure, module)
 
@@ -272,7 +272,7 @@ class FullStepDriver(Driver):
                 optimizer.restore()
 
 
-def eager_step(run_step: Callable[[], Any]) -> Any:
+def _eager(run_step: Callable[[], Any]) -> Any:
     """Run an optimizer step eagerly; the optimizer is capturable, which PyTorch would warn about on every fit."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*capturable=True.*")

@@ -78,12 +78,13 @@ class RegionCapturer:
             error, captured = err, RegionCaptures()
         finally:
             self.machine.report.capture_ms_total += (time.perf_counter() - started) * 1e3
-        if not self.machine.agreement.all_ok(error is None):
+        # One collective: did the pass fail as a whole on any rank, and which regions failed on any rank.
+        whole, *agreed = self.machine.agreement.any_of([error is not None, *(c.name in captured.failed for c in calls)])
+        if whole:
             for region in captured.regions:
                 region.reset()
             self._failed(error or RuntimeError("the capture failed on another rank"))
             return None
-        agreed = self.machine.agreement.any_of([call.name in captured.failed for call in calls])
         captured.failed = {
             call.name: captured.failed.get(call.name) or RuntimeError("its capture failed on another rank")
             for call, failed in zip(calls, agreed, strict=True)
