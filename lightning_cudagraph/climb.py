@@ -97,15 +97,15 @@ class Climb:
     def step_started(self) -> None:
         """Note whether this step counts towards the level's time.
 
-        It does when it runs on the level's graphs: from the step after the capture (and its parity checks) on,
-        confirmation's graphed steps included.
+        It does when it replays the level's graphs once they are confirmed: confirming steps also run the parity
+        checks' eager forwards, which would make a level look slower (and its timing noisier) than it is.
         """
         self._timing = (
             self._machine is not None
             and not self.ladder.settled
             and self._pending is None
             and self._since_capture >= 1
-            and self._machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
+            and self._machine.stage == Stage.REPLAYING
         )
 
     def step_ended(self) -> None:

@@ -37,7 +37,7 @@ PART_SCOPES = RUNG_SCOPES["attn+mlp"]
 #: steps on the H200 scatter by 1-4% for scoped graphs; 5% stays above that noise, so a rung is never kept for a
 #: gain that is not there, and costs at most 5% against the best rung when two rungs are that close.
 MARGIN = 0.05
-#: Steps timed per rung on its graphs, from the step after its capture and parity checks: their median decides
+#: Steps timed per rung once its graphs are confirmed (confirming steps run parity checks): their median decides
 #: when it is clear of the margin by a margin; a closer call is timed over up to :data:`MAX_MEASURE_STEPS`.
 MEASURE_STEPS = 2
 MAX_MEASURE_STEPS = 8

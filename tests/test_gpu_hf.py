@@ -119,6 +119,7 @@ def test_qwen3_moe_experts_roll_back_loudly_and_train_eagerly(scope):
 
 
 # =================================================================== scope="auto"
+@pytest.mark.timing
 def test_qwen3_moe_auto_narrows_layers_to_their_dense_parts_and_keeps_graphs():
     run = fit_cuda(*hf_causal_lm("qwen3_moe"), 3 * STEPS, strategy=CUDAGraphStrategy(warmup_steps=WARMUP))
     report = graph_callback(run.trainer).report

@@ -28,6 +28,7 @@ def measured(report) -> dict[str, float]:
     return {row.level: row.step_ms for row in report.ladder if not math.isnan(row.step_ms)}
 
 
+@pytest.mark.timing
 def test_auto_through_the_strategy_climbs_to_the_whole_step_and_trains_as_eager():
     eager = fit_cuda(*decoder(SMALL), STEPS)
     run = fit_cuda(*decoder(SMALL), STEPS, strategy=CUDAGraphStrategy())
@@ -42,6 +43,7 @@ def test_auto_through_the_strategy_climbs_to_the_whole_step_and_trains_as_eager(
     assert patched_forwards(run.model) == []
 
 
+@pytest.mark.timing
 def test_the_callback_alone_settles_on_a_measured_scoped_level():
     eager = fit_cuda(*decoder(SMALL), STEPS)
     callback = CUDAGraphCallback()

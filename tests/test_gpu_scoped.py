@@ -331,6 +331,7 @@ def test_multihead_attention_with_keyword_arguments_and_masks():
     assert_losses_close(eager, graphed, 1e-5)
 
 
+@pytest.mark.timing
 def test_tiny_model_on_cuda_with_auto_scope():
     callback = CUDAGraphCallback()
     fit_cuda(*decoder(TINY), 40, [callback])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import re
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -24,8 +25,8 @@ from tests.models import TINY, MoEDecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
 WARMUP = 2
-#: Steps the climb spends per scoped level: capture and parity checks, then the timed ones (confirmation's included).
-STEPS_PER_LEVEL = 1 + MEASURE_STEPS
+#: Steps the climb spends per scoped level: capture and parity checks, the rest of confirmation, then the timed ones.
+STEPS_PER_LEVEL = 2 + MEASURE_STEPS
 #: Enough for every level to be timed as long as a close call takes.
 STEPS = WARMUP + 4 * (1 + MAX_MEASURE_STEPS) + 4
 
@@ -126,6 +127,30 @@ def test_through_the_strategy_the_climb_ends_on_the_whole_step():
     assert backend.step_graphs and backend.step_graphs[-1].replays > 0
     assert_losses_close(eager.losses, run.losses, 1e-5)
     assert all(optimizer.restored for optimizer in backend.optimizers)
+
+
+class StageAtStart(pl.Callback):
+    """The rollout's stage as each step starts (after the graph callback has begun the step)."""
+
+    stage: Stage | None = None
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.stage = graph_callback(trainer).report.stage
+
+
+def test_confirming_steps_do_not_count_towards_a_levels_time():
+    # A confirming step also runs the parity checks' eager forwards (and the first replays upload the graphs): on a
+    # GPU it is slower than the level's steady state; here it takes far longer, and must not move the level's time.
+    probe = StageAtStart()
+    backend = FakeBackend(
+        step_ms=lambda b: 100.0 if probe.stage == Stage.CONFIRMING else timed_by_level(LEVEL_MS)(b)
+    )
+    callback = auto_callback(backend)
+    fit(*decoder(TINY), STEPS, [callback, probe], **CPU)
+
+    report = callback.report
+    assert [row.step_ms for row in report.ladder[:3]] == [LEVEL_MS[level] for level in ("attn", "attn+mlp", "layer")]
+    assert report.level == "layer"
 
 
 def test_a_wider_level_within_the_margin_is_not_kept_and_training_goes_back_to_the_best():
