@@ -19,6 +19,8 @@ from typing import Any, Literal, TypeVar, get_type_hints
 
 import torch.nn as nn
 
+from lightning_cudagraph.compiling import CompileOptions
+
 #: A way to find modules: a glob on the qualified name, a module class, or a predicate ``(name, module) -> bool``.
 Selector = str | type | Callable[[str, nn.Module], bool]
 
@@ -71,13 +73,15 @@ class CUDAGraphConfig:
     parity_tol: float | None = None
     max_pool_mib: float | None = None
     seal_after_steps: int | None = None
+    compile: CompileOptions | None = field(default=None, metadata=_accepts(bool | Mapping[str, Any]))
 
     @classmethod
     def from_options(cls, component: str, **options: Any) -> CUDAGraphConfig:
         """Normalize and validate options; raise ``ValueError`` naming ``component`` on the first bad one."""
+        compiled = CompileOptions.from_option(component, options.pop("compile", False))
         modules = _normalize_modules(component, options.pop("modules", None))
         scope = _normalize_scope(component, options.pop("scope", AUTO))
-        config = cls(scope=scope, modules=modules, **options)
+        config = cls(scope=scope, modules=modules, compile=compiled, **options)
         config._validate(component)
         return config
 
@@ -113,6 +117,7 @@ class CUDAGraphConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values["scope"] = AUTO if self.auto_scope else list(self.scope)
         values["modules"] = {name: list(selectors) for name, selectors in self.modules.items()} or None
+        values["compile"] = False if self.compile is None else self.compile.as_option()
         return values
 
     def _validate(self, component: str) -> None:
@@ -127,6 +132,7 @@ class CUDAGraphConfig:
         self._validate_parity_tol(component)
         self._validate_max_graphs(component)
         self._validate_scope(component)
+        self._validate_compile(component)
         if self.impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
             raise config_error(
                 component,
@@ -135,6 +141,27 @@ class CUDAGraphConfig:
                 "'local' without Transformer Engine; 'transformer_engine' once it is installed",
                 f"install it (`{TE_INSTALL}`, or `pip install lightning-cudagraph[transformer-engine]`)"
                 " or pass impl='local'",
+            )
+
+    def _validate_compile(self, component: str) -> None:
+        if self.compile is None:
+            return
+        if self.auto_scope:
+            raise config_error(
+                component,
+                "compile",
+                self.compile.as_option(),
+                "compile with a fixed scope (scope=['layer'], ['attn', 'mlp'], ... or strategy='cudagraph_full')",
+                "pick the scope: under scope='auto' each level of the ladder would compile its regions anew (a"
+                " compile per level)",
+            )
+        if self.impl == "transformer_engine":
+            raise config_error(
+                component,
+                "compile",
+                self.compile.as_option(),
+                "compile with impl='local' (or impl='none', which captures and compiles nothing)",
+                "drop compile (Transformer Engine's fused modules are not compiled here), or pass impl='local'",
             )
 
     def _validate_parity_tol(self, component: str) -> None:
@@ -230,6 +257,8 @@ class CUDAGraphConfig:
 
 
 _Init = TypeVar("_Init", bound=Callable[..., None])
+#: Defaults in the form a user passes them, where the stored (normalized) form differs.
+PUBLIC_DEFAULTS: dict[str, Any] = {"scope": AUTO, "modules": None, "compile": False}
 
 
 def takes_graph_options(init: _Init) -> _Init:
@@ -244,7 +273,7 @@ def takes_graph_options(init: _Init) -> _Init:
         inspect.Parameter(
             f.name,
             inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            default=AUTO if f.name == "scope" else None if f.name == "modules" else f.default,
+            default=PUBLIC_DEFAULTS.get(f.name, f.default),
             annotation=f.metadata.get("accepts", hints[f.name]),
         )
         for f in fields(CUDAGraphConfig)

@@ -88,6 +88,8 @@ class CUDAGraphReport:
         ladder: The levels ``scope="auto"`` tried, in order, with their step times and outcomes.
         exclusions: Regions left eager, by qualified name, with the reason (a failed capture or parity check).
         capture_ms_total: Host time of every capture of the fit, summed (the ladder's captures included).
+        compile_s: With ``compile=``: seconds torch.compile spent compiling in this fit (recompiles included).
+        recompiles: With ``compile=``: compilations after the first capture (a guard failed on an eager path).
     """
 
     stage: Stage = Stage.WARMUP
@@ -114,6 +116,8 @@ class CUDAGraphReport:
     ladder: list[LevelRecord] = field(default_factory=list)
     exclusions: dict[str, str] = field(default_factory=dict)
     capture_ms_total: float = 0.0
+    compile_s: float = math.nan
+    recompiles: int = 0
 
     @property
     def speedup(self) -> float:
@@ -152,6 +156,8 @@ class CUDAGraphReport:
             "parity_err": self.parity_err,
             "level": float(LEVEL_NUMBERS.get(self.level or "", 0)) if self.ladder else math.nan,
             "capture_ms_total": self.capture_ms_total if self.captures else math.nan,
+            "compile_s": self.compile_s,
+            "recompiles": float(self.recompiles) if not math.isnan(self.compile_s) else math.nan,
         }
         return {METRIC_PREFIX + key: value for key, value in values.items() if not math.isnan(value)}
 

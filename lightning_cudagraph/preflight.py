@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.precision import (
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
 from lightning_cudagraph._lightning import anomaly_detection_on
+from lightning_cudagraph.compiling import inductor_graphs_in
 from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig, config_error
 from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
 from lightning_cudagraph.hooks import hooked_modules
@@ -35,6 +36,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
     """Strategy, precision and loop settings that graphs cannot work with."""
     _check_strategy(config, trainer, component)
     _check_precision(config, trainer, component)
+    _check_compile(config, trainer, module, component)
     if anomaly_detection_on(trainer):
         raise config_error(
             component,
@@ -229,4 +231,28 @@ def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer, component: st
     if config.full_iteration and isinstance(plugin, TransformerEnginePrecision):
         raise config_error(
             component, "scope", list(config.scope), "scoped capture with Transformer Engine", "pass scope=['layer']"
+        )
+
+
+def _check_compile(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> None:
+    """Graphs in graphs (inductor's own CUDA graphs inside a capture), and ``compile=`` under DDP."""
+    problem = inductor_graphs_in(module)
+    if problem is not None:
+        raise config_error(
+            component,
+            "torch.compile(mode='reduce-overhead')",
+            problem,
+            "compiled modules without inductor's CUDA graphs",
+            "inductor's CUDA graphs cannot run inside the package's graphs (graphs in graphs); compile with the default"
+            " mode, or let the package compile what it captures: compile=True",
+        )
+    if config.compile is not None and isinstance(trainer.strategy, DDPStrategy):
+        raise config_error(
+            component,
+            "compile",
+            config.compile.as_option(),
+            "compile= on one device",
+            "not yet supported under DDP: dynamo's DDPOptimizer splits compiled graphs at gradient-bucket"
+            " boundaries, and compiled autograd has not been tried inside a captured step; drop compile=, or"
+            " compile the model yourself (default mode) and let the package capture it",
         )

@@ -175,7 +175,7 @@ class WarmupRecorder:
             if samples is None:
                 plan.unstable = f"{target.name}: no sample inputs were kept"
                 return plan
-            plan.calls.append(RecordedCall(target.name, target.module, _original_forward(target), signature, samples))
+            plan.calls.append(RecordedCall(target.name, target.module, _forward_to_capture(target), signature, samples))
         return plan
 
 
@@ -184,9 +184,10 @@ def target_name(targets: Sequence[Target], index: int) -> str:
     return targets[index].name
 
 
-def _original_forward(target: Target) -> Any:
+def _forward_to_capture(target: Target) -> Any:
+    """What training runs for the target: the patched forward's ``run`` (compiled with ``compile=``)."""
     forward = target.module.forward
-    return getattr(forward, "original", forward)
+    return getattr(forward, "run", forward)
 
 
 def _sample_of(tensor: Tensor) -> Tensor:

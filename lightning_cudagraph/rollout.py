@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_cudagraph import preflight
 from lightning_cudagraph.agreement import RankAgreement
 from lightning_cudagraph.climb import Climb
+from lightning_cudagraph.compiling import CompiledForwards, CompiledModules, CompileWatch, called_modules
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver
 from lightning_cudagraph.drivers.full_step import FullStepDriver
@@ -62,6 +63,10 @@ class Rollout:
         self._eager_noted = False
         self._last_logged = -1
         self._sealed = False
+        #: ``compile=``: the watch on dynamo's compilations, and what the package compiled (released with the fit).
+        self.compile_watch: CompileWatch | None = None
+        self._compiled_modules: CompiledModules | None = None
+        self._compiled_forwards: CompiledForwards | None = None
 
     @property
     def stage(self) -> Stage:
@@ -138,6 +143,8 @@ class Rollout:
             return
         self._timer = self.backend.timer()
         self.machine.agreement = RankAgreement(trainer.strategy.root_device)
+        if self.config.compile is not None:
+            self._start_compiling()
         if self.climb is not None:
             self.climb.attach(trainer, self.backend, self.machine, functools.partial(self.driver_for, trainer))
         else:
@@ -158,7 +165,7 @@ class Rollout:
 
                 driver = TEScopedDriver(trainer, regions, *collaborators)
             else:
-                driver = ScopedDriver(regions, *collaborators)
+                driver = ScopedDriver(regions, *collaborators, compiled=self._compiled_forwards)
         driver.before_first_capture = self._note_eager_time
         return driver
 
@@ -173,12 +180,25 @@ class Rollout:
             return
         self.backend.enter()
         self.driver.start(trainer)
+        if self._compiled_modules is not None and isinstance(self.driver, FullStepDriver):
+            self._compiled_modules.compile(called_modules(trainer.lightning_module))
+
+    def _start_compiling(self) -> None:
+        """``compile=``: watch dynamo from now on; compile the whole step's modules, or each target's forward."""
+        self.compile_watch = CompileWatch(self.report, self.component)
+        self.compile_watch.install()
+        if self.config.full_iteration:
+            self._compiled_modules = CompiledModules(self.config.compile)
+        else:
+            self._compiled_forwards = CompiledForwards(self.config.compile)
 
     # ------------------------------------------------------------------ training batches
     def batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
         """Scoped graphs: decide what this batch does with the targets. Then start its timer."""
         if self.active:
             self._seal_when_due(trainer.global_step)
+        if self._compiled_modules is not None:
+            self._compiled_modules.active = self.active  # compiled for training steps only (not evaluation)
         if self.active and isinstance(self.driver, ScopedDriver):
             self.driver.begin_step(trainer.global_step, batch_key(batch), trainer.accumulate_grad_batches > 1)
         self._timer.start()
@@ -188,6 +208,8 @@ class Rollout:
     def batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any) -> None:
         """Close the step: confirmation checks, stage changes, metrics; then the ladder's move, if one is due."""
         self._timer.stop()
+        if self._compiled_modules is not None:
+            self._compiled_modules.active = False
         if self.driver is not None:
             self.driver.end_step(outputs)
             if self.machine.stage == Stage.WARMUP:
@@ -251,8 +273,20 @@ class Rollout:
             if self.driver is not None:
                 self.driver.release()
         finally:  # whatever a reset raised, training goes back to the stream it came from
-            if self.backend is not None:
-                self.backend.release()
+            try:
+                self._stop_compiling()
+            finally:
+                if self.backend is not None:
+                    self.backend.release()
+
+    def _stop_compiling(self) -> None:
+        """Give the compiled modules their own call back, drop compiled functions, stop watching dynamo."""
+        if self._compiled_modules is not None:
+            self._compiled_modules.restore()
+        if self._compiled_forwards is not None:
+            self._compiled_forwards.clear()
+        if self.compile_watch is not None:
+            self.compile_watch.remove()
 
     def save_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         """Keep checkpoints free of the package: optimizers are saved in the form the user built them."""
@@ -262,6 +296,8 @@ class Rollout:
     # ------------------------------------------------------------------ timing and logging
     def _note_eager_time(self) -> None:
         """Right before the first capture: the eager step times so far (one host sync, at capture)."""
+        if self.compile_watch is not None:
+            self.compile_watch.captured = True  # a compilation from now on is a recompile
         if self._eager_noted:
             return
         self._eager_noted = True

@@ -142,9 +142,7 @@ def test_confirming_steps_do_not_count_towards_a_levels_time():
     # A confirming step also runs the parity checks' eager forwards (and the first replays upload the graphs): on a
     # GPU it is slower than the level's steady state; here it takes far longer, and must not move the level's time.
     probe = StageAtStart()
-    backend = FakeBackend(
-        step_ms=lambda b: 100.0 if probe.stage == Stage.CONFIRMING else timed_by_level(LEVEL_MS)(b)
-    )
+    backend = FakeBackend(step_ms=lambda b: 100.0 if probe.stage == Stage.CONFIRMING else timed_by_level(LEVEL_MS)(b))
     callback = auto_callback(backend)
     fit(*decoder(TINY), STEPS, [callback, probe], **CPU)
 

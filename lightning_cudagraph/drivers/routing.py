@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from lightning_cudagraph.compiling import CompiledForwards
 from lightning_cudagraph.drivers.evidence import relative_error
 from lightning_cudagraph.graphs.backend import Region
 from lightning_cudagraph.graphs.local import tensor_addresses
@@ -28,11 +29,22 @@ from lightning_cudagraph.signature import positional_key as positional_key_of
 
 
 class TargetForward:
-    """Installed as a target module's ``forward``; hands every call to the router."""
+    """Installed as a target module's ``forward``; hands every call to the router.
 
-    def __init__(self, index: int, module: torch.nn.Module, route: Callable[..., Any]) -> None:
+    ``original`` is the module's own forward; ``run`` is what training steps run and capture: the same, or its
+    compiled stand-in with ``compile=``.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        module: torch.nn.Module,
+        route: Callable[..., Any],
+        compiled: CompiledForwards | None = None,
+    ) -> None:
         self.index, self.module, self._route = index, module, route
         self.original = module.forward
+        self.run = self.original if compiled is None else compiled.for_module(module, self.original)
         self._previous = module.__dict__.get("forward")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -50,14 +62,18 @@ class TargetForward:
 class PatchedForwards:
     """The targets' forwards, patched for one fit."""
 
-    def __init__(self, targets: Sequence[Target], route: Callable[..., Any]) -> None:
-        self._targets, self._route = list(targets), route
+    def __init__(
+        self, targets: Sequence[Target], route: Callable[..., Any], compiled: CompiledForwards | None = None
+    ) -> None:
+        self._targets, self._route, self._compiled = list(targets), route, compiled
         self._patched: list[TargetForward] = []
 
     def install(self) -> None:
         """Put a :class:`TargetForward` on every target (idempotent)."""
         if not self._patched:
-            self._patched = [TargetForward(i, t.module, self._route) for i, t in enumerate(self._targets)]
+            self._patched = [
+                TargetForward(i, t.module, self._route, self._compiled) for i, t in enumerate(self._targets)
+            ]
             for forward in self._patched:
                 forward.module.forward = forward
 
@@ -153,14 +169,14 @@ class CallRouter:
         if route.fallback_reason is not None or entry is None:
             if route.fallback_reason is not None:
                 self._count_fallback(route, route.fallback_reason)
-            return forward.original(*args, **kwargs)
+            return forward.run(*args, **kwargs)
         if not route.state_checked:  # here, not at batch start: hooks before the forward may (un)freeze or rebind
             route.state_checked = True
             route.problem = self._state_problem()
             if route.problem is not None:
                 route.fallback_reason = "parameters changed since capture"
                 self._count_fallback(route, route.fallback_reason)
-                return forward.original(*args, **kwargs)
+                return forward.run(*args, **kwargs)
         mismatch = _mismatch(entry.region, forward.module, args, kwargs)
         if mismatch is not None:
             if self.strict_shapes:
@@ -170,7 +186,7 @@ class CallRouter:
                     " on_shape_change='eager' or 'recapture'."
                 )
             self._count_fallback(route, f"{entry.region.name}: {mismatch}")
-            return forward.original(*args, **kwargs)
+            return forward.run(*args, **kwargs)
         if route.confirming:
             return self._confirming_call(route, entry, forward, args, kwargs)
         return self._replay(route, entry, args, kwargs)
@@ -200,11 +216,12 @@ class CallRouter:
             route.problem = f"address_changed: {region.name}.{moved[0]} is not the tensor the graph was captured with"
             route.fallback_reason = "confirmation failed"
             self._count_fallback(route, route.fallback_reason)
-            return forward.original(*args, **kwargs)
+            return forward.run(*args, **kwargs)
         route.forward_order.append(region.name)
         if entry.parity_checked:
             return self._replay(route, entry, args, kwargs)
-        # Parity: replay the forward graph and run the eager forward on the same inputs; train on the eager result.
+        # Parity: replay the forward graph and run the eager forward (never the compiled one: compiled kernels are
+        # checked too) on the same inputs; train on the eager result.
         with self._preserved([forward.module]):
             graphed = region.replay_forward_detached(args, kwargs)
         route.replays += 1

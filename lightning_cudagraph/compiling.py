@@ -1,0 +1,344 @@
+"""Compiled kernels inside the graphs: ``compile=`` compiles what is about to be captured, then the graphs hold it.
+
+A CUDA graph removes the host from the step; what is left is GPU time, which only fewer and faster kernels cut.
+With ``compile=True`` the package compiles, during the eager warmup steps, what it will capture: for
+``full_iteration`` the modules the LightningModule calls (their backward comes with AOTAutograd), for scoped graphs
+each target's forward. The capture then records the compiled kernels.
+
+Three things keep it safe:
+
+- Graphs in graphs are refused: inductor's own CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``,
+  ``options={"triton.cudagraphs": True}``, or a module the user compiled that way) cannot run inside a capture.
+- Shapes are static (``dynamic=False``): the package captures one graph per batch shape.
+- :class:`CompileWatch` sees every compilation: its time is ``cudagraph/compile_s``, and one after the first
+  capture is a recompile (``cudagraph/recompiles``, warned once): a guard of the compiled code failed on an eager
+  path (another batch shape, a fallback). A replay runs no guard: the graphs hold the kernels compiled before. What
+  dynamo guards on for a captured region (shapes, dtypes, training mode, grad mode, autocast, the parameters) is what
+  the package checks before every replay, so a replay never stands in for code that would have recompiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import sys
+import time
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+#: The keys of a ``compile=`` mapping (``torch.compile`` arguments).
+COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
+#: ``mode=`` values allowed: none of them runs inductor's own CUDA graphs.
+COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
+#: Inductor modes that capture CUDA graphs of their own (graphs in graphs).
+GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+#: The inductor option that turns its CUDA graphs on.
+INDUCTOR_GRAPHS = "triton.cudagraphs"
+
+
+def _error(component: str, value: Any, allowed: str, fix: str) -> ValueError:
+    return ValueError(f"{component}: `compile={value!r}` is not supported. Allowed: {allowed}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How ``torch.compile`` is called on what is captured (``dynamic`` is always ``False``).
+
+    Example:
+        >>> CompileOptions.from_option("CUDAGraphCallback", {"mode": "max-autotune-no-cudagraphs"}).mode
+        'max-autotune-no-cudagraphs'
+        >>> CompileOptions.from_option("CUDAGraphCallback", False) is None
+        True
+    """
+
+    mode: str | None = None
+    fullgraph: bool = False
+    backend: str = "inductor"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def from_option(cls, component: str, value: Any) -> CompileOptions | None:
+        """The options of ``compile=`` (``None`` when off); raise ``ValueError`` naming ``component`` if invalid."""
+        if value is False or value is None:
+            return None
+        if value is True:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise _error(component, value, "False, True, or a dict of torch.compile arguments", "pass compile=True")
+        unknown = sorted(set(value) - set(COMPILE_KEYS))
+        if unknown:
+            raise _error(
+                component, value, f"keys {', '.join(COMPILE_KEYS)}", f"drop {', '.join(repr(k) for k in unknown)}"
+            )
+        mode = value.get("mode")
+        if mode in GRAPHING_MODES:
+            raise _error(
+                component,
+                value,
+                f"mode in {COMPILE_MODES}",
+                f"mode={mode!r} runs inductor's own CUDA graphs, which cannot run inside the package's graphs"
+                " (graphs in graphs); drop mode (the package's graphs already take the launches off the host) or"
+                " pass mode='max-autotune-no-cudagraphs'",
+            )
+        if mode not in COMPILE_MODES:
+            raise _error(component, value, f"mode in {COMPILE_MODES}", "pass one of those modes")
+        if value.get("dynamic", False) is not False:
+            raise _error(
+                component,
+                value,
+                "dynamic=False",
+                "the package captures one graph per batch shape; drop dynamic (shapes that change are handled by"
+                " on_shape_change=)",
+            )
+        options = value.get("options") or {}
+        if not isinstance(options, Mapping):
+            raise _error(component, value, "options as a dict of inductor options", "pass e.g. options={}")
+        if options.get(INDUCTOR_GRAPHS):
+            raise _error(
+                component,
+                value,
+                f"options without {INDUCTOR_GRAPHS!r}",
+                "inductor's CUDA graphs cannot run inside the package's graphs; drop that option",
+            )
+        if mode is not None and options:
+            raise _error(component, value, "mode or options, not both (torch.compile)", "pass one of them")
+        fullgraph, backend = value.get("fullgraph", False), value.get("backend", "inductor")
+        if not isinstance(fullgraph, bool):
+            raise _error(component, value, "fullgraph=True or False", "pass a bool")
+        if backend == "cudagraphs":
+            allowed = "a backend that does not capture CUDA graphs"
+            raise _error(component, value, allowed, "pass backend='inductor' (graphs in graphs)")
+        if not isinstance(backend, str) or backend not in _backends():
+            raise _error(component, value, f"backend in {_backends()}", "pass backend='inductor' (the default)")
+        return cls(mode=mode, fullgraph=fullgraph, backend=backend, options=tuple(sorted(options.items())))
+
+    def as_option(self) -> dict[str, Any]:
+        """The options in the form a user passes them."""
+        option: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": False}
+        if self.mode is not None:
+            option["mode"] = self.mode
+        if self.options:
+            option["options"] = dict(self.options)
+        return option
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.compile(fn)`` with these options."""
+        return torch.compile(
+            fn,
+            mode=self.mode,
+            fullgraph=self.fullgraph,
+            dynamic=False,
+            backend=self.backend,
+            options=dict(self.options) or None,
+        )
+
+
+def _backends() -> list[str]:
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def inductor_graphs_in(module: nn.Module) -> str | None:
+    """Where inductor's own CUDA graphs are on in ``module`` (a submodule the user compiled so), or ``None``."""
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None and inductor.triton.cudagraphs:
+        return "torch._inductor.config.triton.cudagraphs is on (it applies to every compiled module); set it off"
+    for name, child in module.named_modules():
+        if _compiler_config(child).get(INDUCTOR_GRAPHS):
+            return f"{name or 'the model'} is compiled with inductor's CUDA graphs (mode='reduce-overhead')"
+    return None
+
+
+def _compiler_config(module: nn.Module) -> Mapping[str, Any]:
+    """The inductor options a module was compiled with: ``torch.compile(module)`` or ``module.compile()``."""
+    if hasattr(module, "get_compiler_config"):  # torch.compile(module): an OptimizedModule
+        config = module.get_compiler_config()
+        return config if isinstance(config, Mapping) else {}
+    compiled = getattr(module, "_compiled_call_impl", None)  # module.compile(): the context is in its closure
+    for cell in getattr(compiled, "__closure__", None) or ():
+        config = getattr(cell.cell_contents, "compiler_config", None)
+        if isinstance(config, Mapping):
+            return config
+    return {}
+
+
+def called_modules(module: nn.Module) -> list[nn.Module]:
+    """The outermost modules a LightningModule calls: its children, with containers opened and parameterless skipped.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> model = nn.Module()
+        >>> model.embed, model.blocks, model.act = nn.Embedding(4, 2), nn.ModuleList([nn.Linear(2, 2)] * 2), nn.ReLU()
+        >>> [type(m).__name__ for m in called_modules(model)]
+        ['Embedding', 'Linear']
+    """
+    found: dict[int, nn.Module] = {}
+    pending = list(module.children())
+    while pending:
+        child = pending.pop(0)
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            pending[:0] = list(child.children())
+        elif any(True for _ in child.parameters()):
+            found.setdefault(id(child), child)
+    return list(found.values())
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What a compiled module runs: its call, hooks included (not ``__call__``, which would find the compiled one)."""
+    return module._call_impl(*args, **kwargs)
+
+
+def _call_forward(forward: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What a compiled target runs: its class's forward on the module."""
+    return forward(module, *args, **kwargs)
+
+
+def _entry_point(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A copy of ``function`` with code of its own, so dynamo keeps its compiled entries apart from the others'.
+
+    Dynamo compiles frames, not functions: its cache (and its limit of recompiles) belongs to a code object. It
+    never starts a frame in ``torch.nn`` either (a ``Sequential``'s or ``MultiheadAttention``'s own forward), but
+    inlines them from a frame of ours.
+    """
+    code = function.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, function.__globals__, name)
+
+
+class CompiledModules:
+    """Modules compiled in place for one fit (their ``_compiled_call_impl``); :meth:`restore` gives them back.
+
+    Each class gets its own compiled entry point. A module the user already compiled (``torch.compile(module)``, or
+    ``module.compile()``) is left as it is.
+    """
+
+    def __init__(self, options: CompileOptions) -> None:
+        self.options = options
+        self._compiled: list[tuple[nn.Module, Callable[..., Any]]] = []
+        self._active = False
+
+    def compile(self, modules: Iterable[nn.Module]) -> None:
+        """Compile each module that is not compiled yet (active from the next training step on)."""
+        by_class: dict[type, Callable[..., Any]] = {}
+        for module in modules:
+            if _is_compiled(module):
+                continue
+            cls = type(module)
+            if cls not in by_class:
+                by_class[cls] = self.options.compile(_entry_point(_call_module, f"compiled_{cls.__name__}"))
+            self._compiled.append((module, functools.partial(by_class[cls], module)))
+
+    @property
+    def active(self) -> bool:
+        """Whether calls of the modules run compiled (during training steps; evaluation runs them as built)."""
+        return self._active
+
+    @active.setter
+    def active(self, on: bool) -> None:
+        if on != self._active:
+            self._active = on
+            for module, compiled in self._compiled:
+                module._compiled_call_impl = compiled if on else None
+
+    def restore(self) -> None:
+        """Give every module its own call back and drop the compiled ones (idempotent)."""
+        self.active = False
+        self._compiled = []
+
+
+class CompiledForwards:
+    """One compiled function per forward implementation, called with the module as its first argument.
+
+    Every instance of a class (the layers of a model) shares one compiled function, so dynamo compiles it once and
+    guards on the module's structure, not on its identity.
+    """
+
+    def __init__(self, options: CompileOptions) -> None:
+        self.options = options
+        self._by_function: dict[Any, Callable[..., Any]] = {}
+
+    def for_module(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """A compiled stand-in for ``forward`` (the module's own forward, bound to it)."""
+        function = getattr(forward, "__func__", None)
+        if function is None or getattr(forward, "__self__", None) is not module or _is_compiled(module):
+            return forward  # not a plain bound forward (or compiled by the user): left as it is
+        compiled = self._by_function.get(function)
+        if compiled is None:
+            name = f"compiled_{type(module).__name__}_forward"
+            compiled = self._by_function[function] = self.options.compile(_entry_point(_call_forward, name))
+        return functools.partial(compiled, function, module)
+
+    def clear(self) -> None:
+        """Drop the compiled functions."""
+        self._by_function.clear()
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
+class CompileWatch:
+    """Dynamo's compilations during one fit: their time, and the ones after the first capture (recompiles).
+
+    Args:
+        report: ``compile_s`` and ``recompiles`` are written there.
+        component: Named in the warning of a recompile.
+    """
+
+    def __init__(self, report: Any, component: str) -> None:
+        self.report, self.component = report, component
+        #: Set once the first graph is captured: a compilation after it is a recompile.
+        self.captured = False
+        self._started: dict[str, float] = {}
+        self._installed = False
+
+    def install(self) -> None:
+        """Start watching (idempotent)."""
+        if self._installed:
+            return
+        from torch._dynamo.callback import callback_handler
+
+        if math.isnan(self.report.compile_s):
+            self.report.compile_s = 0.0
+        callback_handler.register_start_callback(self._on_start)
+        callback_handler.register_end_callback(self._on_end)
+        self._installed = True
+
+    def remove(self) -> None:
+        """Stop watching (idempotent)."""
+        if not self._installed:
+            return
+        from torch._dynamo.callback import callback_handler
+
+        self._installed = False
+        with contextlib.suppress(ValueError):  # torch._dynamo.reset() during the fit already dropped them
+            callback_handler.remove_start_callback(self._on_start)
+            callback_handler.remove_end_callback(self._on_end)
+
+    def _on_start(self, args: Any = None) -> None:
+        self._started[_compile_id(args)] = time.perf_counter()
+
+    def _on_end(self, args: Any = None) -> None:
+        started = self._started.pop(_compile_id(args), None)
+        if started is not None:
+            self.report.compile_s += time.perf_counter() - started
+        if not self.captured:
+            return
+        self.report.recompiles += 1
+        if self.report.recompiles == 1:
+            rank_zero_warn(
+                f"{self.component}: torch.compile compiled again after the capture ({_compile_id(args)}): a guard of"
+                " the compiled code failed on an eager path (another batch shape, a fallback, evaluation). Graphs"
+                " keep the kernels compiled before. Run with TORCH_LOGS=recompiles to see which guard."
+            )
+
+
+def _compile_id(args: Any) -> str:
+    return str(getattr(args, "compile_id", "?")) + ":" + str(getattr(args, "callback_trigger", ""))
