@@ -19,7 +19,7 @@ ladder, exclusions, rollback reasons, pool MiB, total capture ms). Then speed ra
 the variant): ``auto-strategy`` against the best fixed variant and ``auto-callback`` against the best fixed scope
 (goal: at least 0.9x), on Qwen3-MoE the auto variants against eager (goal: at least 1.25x), and the auto variants
 against every fixed variant that rolled back. Last, the ladder's cost: ``--cost-steps`` steps of ``auto-strategy``
-and of the fixed variant at the level its ladder settled on, each timed as the fastest of two wall times of
+and of the fixed variant at the level its ladder settled on, each timed as the fastest of ``COST_ROUNDS`` wall times of
 ``trainer.fit``; cost = (auto - fixed) / auto (goal: at most 5%).
 
 Writes ``DIR/auto_<precision>.json`` and ``DIR/AUTO.md`` (rebuilt from every ``auto_*.json`` in ``DIR``). On a
@@ -267,8 +267,9 @@ def measure(model: str, variant: str, precision: str, steps: int, skip: int) -> 
 
 
 #: Fits of each variant in the cost measurement, alternated; each one's fastest counts (a single fit of a few
-#: seconds can be off by a tenth of a second, a good part of the 5% measured).
-COST_ROUNDS = 2
+#: seconds can be off by a tenth of a second or more, as much as the 5% measured: two rounds gave 4.9% and 12.3%
+#: for the same model in two runs).
+COST_ROUNDS = 3
 
 
 def measure_cost(model: str, precision: str, steps: int) -> dict[str, Any]:
