@@ -49,10 +49,12 @@ class FakeRegion:
         return output
 
     def replay_forward_detached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        # Under the grad mode the forward was captured in, as a replay is (a compiled forward would recompile for
+        # another one); the result is detached, as a replay's is.
         self.replays += 1
-        with torch.no_grad(), hooks_stashed([self.module], include_roots=False):
+        with hooks_stashed([self.module], include_roots=False):
             output = self._forward(*args, **kwargs)
-        return [leaf * self._distort for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+        return [leaf.detach() * self._distort for leaf in pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
 
     def detach_accumulated_grads(self) -> None:
         """Nothing to detach: gradients are autograd's own."""
