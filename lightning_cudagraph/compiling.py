@@ -217,6 +217,18 @@ class CompiledModules:
 
     Each class gets its own compiled entry point. A module the user already compiled (``torch.compile(module)``, or
     ``module.compile()``) is left as it is.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> layer = nn.Linear(2, 2)
+        >>> compiled = CompiledModules(CompileOptions(backend="eager"))
+        >>> compiled.compile([layer])
+        >>> compiled.active = True  # as during a training step
+        >>> layer(torch.ones(1, 2)).shape
+        torch.Size([1, 2])
+        >>> compiled.restore()
+        >>> layer._compiled_call_impl is None
+        True
     """
 
     def __init__(self, options: CompileOptions) -> None:
@@ -290,6 +302,17 @@ class CompileWatch:
     Args:
         report: ``compile_s`` and ``recompiles`` are written there.
         component: Named in the warning of a recompile.
+
+    Example:
+        >>> import torch
+        >>> from lightning_cudagraph.health import CUDAGraphReport
+        >>> report = CUDAGraphReport()
+        >>> watch = CompileWatch(report, "CUDAGraphCallback")
+        >>> watch.install()
+        >>> _ = torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+        >>> watch.remove()
+        >>> report.compile_s > 0, report.recompiles
+        (True, 0)
     """
 
     def __init__(self, report: Any, component: str) -> None:
