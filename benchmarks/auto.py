@@ -45,7 +45,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks import hf
-from benchmarks.report import load_records
+from benchmarks.report import write_records_markdown
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import CONFIGS, Result, model_args, module_class, peak_memory, timing_trainer
 from examples.gpt import TokenDataModule
@@ -525,11 +525,7 @@ def summary(measured: dict[str, Any]) -> str:
 
 def write_markdown(out: Path) -> Path:
     """``AUTO.md`` from every ``auto_*.json`` in ``out``: per model and precision, the tables and the ratios."""
-    records = load_records(out, "auto", PRECISIONS)
-    text = '# `scope="auto"`: the adaptive ladder\n\nWritten by `benchmarks/auto.py` from the JSON beside this file.\n'
-    path = out / MARKDOWN
-    path.write_text(text + "".join(f"\n{section(record)}" for record in records))
-    return path
+    return write_records_markdown(out / MARKDOWN, "auto", PRECISIONS, '`scope="auto"`: the adaptive ladder', section)
 
 
 def section(record: dict[str, Any]) -> str:

@@ -70,7 +70,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks import hf
-from benchmarks.report import load_records
+from benchmarks.report import write_records_markdown
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import CONFIGS, Result, _model_and_data, peak_memory, pytorch_variant, timing_trainer
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
@@ -565,14 +565,8 @@ def summary(measured: dict[str, Any]) -> str:
 
 def write_markdown(out: Path) -> Path:
     """``COMPILE.md`` from every ``compile_*.json`` in ``out``: per model and precision, the table and the ratios."""
-    records = load_records(out, KIND, PRECISIONS)
-    text = (
-        "# `compile=True`: torch.compile kernels inside CUDA graphs\n\n"
-        "Written by `benchmarks/compile.py` from the JSON beside this file.\n"
-    )
-    path = out / MARKDOWN
-    path.write_text(text + "".join(f"\n{section(record)}" for record in records))
-    return path
+    title = "`compile=True`: torch.compile kernels inside CUDA graphs"
+    return write_records_markdown(out / MARKDOWN, KIND, PRECISIONS, title, section)
 
 
 def section(record: dict[str, Any]) -> str:

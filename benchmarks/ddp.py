@@ -50,7 +50,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from benchmarks.hf import LossClock, _finite_or_none, _fmt, _ratio, result_note
-from benchmarks.report import load_records
+from benchmarks.report import write_records_markdown
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import CONFIGS, Result, model_args, peak_memory, timing_trainer
 from examples.gpt import GPTModule, TokenDataModule
@@ -382,11 +382,7 @@ def environment() -> dict[str, str]:
 # =================================================================== Markdown
 def write_markdown(out: Path) -> Path:
     """``DDP.md`` from every ``ddp_*.json`` in ``out``: one table per precision."""
-    records = load_records(out, "ddp", PRECISIONS)
-    text = "# CUDA graphs under DDP on two GPUs\n\nWritten by `benchmarks/ddp.py` from the JSON beside this file.\n"
-    path = out / MARKDOWN
-    path.write_text(text + "".join(f"\n{section(record)}" for record in records))
-    return path
+    return write_records_markdown(out / MARKDOWN, "ddp", PRECISIONS, "CUDA graphs under DDP on two GPUs", section)
 
 
 def section(record: dict[str, Any]) -> str:

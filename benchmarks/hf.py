@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.report import load_records
+from benchmarks.report import write_records_markdown
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import Result, StepClock, peak_memory, timing_trainer
 from examples.gpt import TokenDataModule
@@ -253,11 +253,7 @@ def progress_line(result: dict[str, Any]) -> str:
 # =================================================================== Markdown
 def write_markdown(out: Path) -> Path:
     """``HF.md`` from every ``hf_*.json`` in ``out``: one table per model and precision."""
-    records = load_records(out, "hf", PRECISIONS)
-    text = "# CUDA graphs on Hugging Face models\n\nWritten by `benchmarks/hf.py` from the JSON beside this file.\n"
-    path = out / MARKDOWN
-    path.write_text(text + "".join(f"\n{section(record)}" for record in records))
-    return path
+    return write_records_markdown(out / MARKDOWN, "hf", PRECISIONS, "CUDA graphs on Hugging Face models", section)
 
 
 def section(record: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,16 @@ def load_records(out: Path, kind: str, precisions: Sequence[str]) -> list[dict[s
             records.append(record)
     order = {precision: i for i, precision in enumerate(precisions)}
     return sorted(records, key=lambda record: order.get(record.get("precision"), len(order)))
+
+
+def write_records_markdown(
+    path: Path, kind: str, precisions: Sequence[str], title: str, section: Callable[[dict[str, Any]], str]
+) -> Path:
+    """Markdown at ``path`` from the records of ``benchmarks/<kind>.py`` beside it: a title, a section per record."""
+    records = load_records(path.parent, kind, precisions)
+    text = f"# {title}\n\nWritten by `benchmarks/{kind}.py` from the JSON beside this file.\n"
+    path.write_text(text + "".join(f"\n{section(record)}" for record in records))
+    return path
 
 
 def load_runs(results_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
