@@ -286,7 +286,7 @@ class GpuCase:
             of :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
         max_steps: Optimizer steps of the fit.
         reference: Fit an eager DDP reference first: ``"adamw"`` (the model's AdamW as built), ``"capturable"``
-            (``AdamW(capturable=True)``: the arithmetic the whole step runs, step for step), or ``None``.
+            (``AdamW(fused=True)``: the arithmetic the whole step runs, step for step), or ``None``.
         rank1: Callbacks of the fit on rank 1 only (built per fit).
         model: The LightningModule class.
         ragged: Rank 1's last batch of each epoch is short (:class:`RaggedOnRank1`).
@@ -369,7 +369,7 @@ def model_and_data(case: GpuCase, capturable: bool = False) -> tuple[DecoderModu
     """The SMALL decoder (seed 0) and its data, batch 8 per rank."""
     options: dict[str, Any] = {"lr": LR, "batch_size": BATCH_SIZE}
     if capturable:
-        options["capturable"] = True
+        options["fused"] = True  # the form the whole step runs AdamW in
     model, data = decoder(SMALL, case.model, **options)
     if case.ragged:
         data = RaggedOnRank1(SMALL["vocab_size"], SMALL["seq_len"], batch_size=BATCH_SIZE)
@@ -414,7 +414,7 @@ def fit(
         out: Where progress is written.
         stacks: Where stacks are dumped on SIGTERM.
         inject: Add the case's rank-1 callbacks (not to the reference fit).
-        capturable: Build AdamW with ``capturable=True``.
+        capturable: Build AdamW in the form the whole step runs it in (``fused=True``).
     """
     module, data = model_and_data(case, capturable)
     losses, modes = DeviceLosses(), StepModes()

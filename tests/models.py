@@ -130,7 +130,7 @@ class DecoderModule(pl.LightningModule):
         lr_gamma: Factor of each decay.
         optimizer: ``"adamw"`` or ``"sgd"`` (momentum 0.9).
         fused: Build the optimizer with ``fused=True``.
-        capturable: Build AdamW with ``capturable=True`` (the form a whole-step graph runs it in).
+        capturable: Build AdamW with ``capturable=True``.
     """
 
     def __init__(

@@ -75,3 +75,41 @@ def test_checkpoints_hold_the_optimizer_as_the_user_built_it():
     fresh = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), lr=1.0)
     fresh.load_state_dict(saved)
     assert fresh.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("build", [torch.optim.Adam, torch.optim.AdamW], ids=["adam", "adamw"])
+def test_adam_runs_fused_inside_the_graph_and_comes_back_as_built(build):
+    model = torch.nn.Linear(4, 4)
+    optimizer = build(model.parameters(), lr=1e-3, foreach=True)
+    switched = CapturableOptimizer(optimizer, torch.device("cpu"))
+    (group,) = optimizer.param_groups
+    assert (group["fused"], group["foreach"], group["capturable"]) == (True, False, True)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()  # the fused step runs with the tensor learning rate
+    assert optimizer.state[model.weight]["step"].device.type == "cpu"
+    switched.restore()
+    assert (group["fused"], group["foreach"], group["capturable"]) == (None, True, False)
+
+
+def test_parameters_fused_kernels_cannot_take_keep_the_capturable_foreach_form():
+    weight = torch.nn.Parameter(torch.ones(3, dtype=torch.complex64))  # fused Adam takes floating point only
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    CapturableOptimizer(optimizer, torch.device("cpu"))
+    (group,) = optimizer.param_groups
+    assert group["capturable"] is True
+    assert not group["fused"]
+
+
+def test_a_fused_step_updates_as_the_foreach_step_does():
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(8, 8) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
+    CapturableOptimizer(optimizers[1], torch.device("cpu"))
+    for _ in range(5):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad()
+            model(torch.arange(16.0).view(2, 8)).square().sum().backward()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -246,7 +246,7 @@ def test_scoped_layer_graphs_under_ddp_match_eager_ddp(ranks):
 
 
 def test_the_whole_step_under_ddp_matches_eager_ddp(ranks):
-    # The eager reference runs AdamW(capturable=True): the package runs the whole step's optimizer in that form.
+    # The eager reference runs AdamW(fused=True): the package runs the whole step's optimizer in that form.
     rank0, rank1 = ranks("full")
 
     assert_trained_alike(rank0, rank1, worker.PARITY_STEPS)

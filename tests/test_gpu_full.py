@@ -27,9 +27,9 @@ from tests.models import SMALL, DecoderModule, decoder
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
 STEPS, WARMUP = 30, 3
-# The package runs AdamW in its capturable form for the whole fit (same algorithm, bias corrections computed on the
-# device in float32), so the eager reference is AdamW(capturable=True): equal arithmetic, step for step.
-CAPTURABLE = {"capturable": True}
+# The package runs AdamW fused for the whole fit (same algorithm, one kernel per chunk of parameters, step counts on
+# the device), so the eager reference is AdamW(fused=True): equal arithmetic, step for step.
+GRAPHED_FORM = {"fused": True}
 
 
 def full(**options) -> CUDAGraphStrategy:
@@ -47,7 +47,7 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
     overrides = {"lr_step_size": 10, "lr_gamma": 0.5, "lr": 3e-4}
     common = {"gradient_clip_val": 0.5, "log_every_n_steps": 1}
     eager, eager_params, eager_fit, _ = fit_cuda(
-        *decoder(SMALL, **overrides, **CAPTURABLE), STEPS, logger=CSVLogger(tmp_path, name="eager"), **common
+        *decoder(SMALL, **overrides, **GRAPHED_FORM), STEPS, logger=CSVLogger(tmp_path, name="eager"), **common
     )
     graphed, graphed_params, fit, model = fit_cuda(
         *decoder(SMALL, **overrides), STEPS, strategy=full(), logger=CSVLogger(tmp_path, name="graphed"), **common
@@ -71,7 +71,7 @@ def test_full_iteration_matches_eager_with_step_schedule_and_clipping(tmp_path):
 
 def test_bf16_mixed_matches_eager():
     # bf16 kernels with atomics differ run to run (two eager runs too); 12 steps keep that drift below bf16 tolerance
-    eager, _, _, _ = fit_cuda(*decoder(SMALL, **CAPTURABLE), 12, precision="bf16-mixed")
+    eager, _, _, _ = fit_cuda(*decoder(SMALL, **GRAPHED_FORM), 12, precision="bf16-mixed")
     graphed, _, fit, _ = fit_cuda(*decoder(SMALL), 12, strategy=full(), precision="bf16-mixed")
     assert graph_callback(fit).report.stage == Stage.REPLAYING
     assert_losses_close(eager, graphed, 2e-2)
@@ -80,7 +80,7 @@ def test_bf16_mixed_matches_eager():
 def test_16_mixed_needs_a_fused_optimizer():
     with pytest.raises(ValueError, match="fused=True"):
         fit_cuda(*decoder(SMALL), STEPS, strategy=full(), precision="16-mixed")
-    eager, _, _, _ = fit_cuda(*decoder(SMALL, fused=True, **CAPTURABLE), STEPS, precision="16-mixed")
+    eager, _, _, _ = fit_cuda(*decoder(SMALL, **GRAPHED_FORM), STEPS, precision="16-mixed")
     graphed, _, fit, _ = fit_cuda(*decoder(SMALL, fused=True), STEPS, strategy=full(), precision="16-mixed")
     assert graph_callback(fit).report.stage == Stage.REPLAYING, graph_callback(fit).report.reason
     assert_losses_close(eager, graphed, 2e-2)
@@ -169,7 +169,7 @@ def test_nan_loss_is_caught_within_one_log_interval(on_failure):
 
 
 def test_ragged_batch_runs_eagerly_then_is_recaptured():
-    overrides = {"train_samples": 8 * 4 + 5, "drop_last": False, **CAPTURABLE}
+    overrides = {"train_samples": 8 * 4 + 5, "drop_last": False, **GRAPHED_FORM}
     eager, _, _, _ = fit_cuda(*decoder(SMALL, **overrides), 20)
     graphed, _, fit, _ = fit_cuda(*decoder(SMALL, **overrides), 20, strategy=full())
     report = graph_callback(fit).report
@@ -187,7 +187,7 @@ def test_ragged_batch_runs_eagerly_then_is_recaptured():
 def test_validation_in_between_and_resume_from_checkpoint(tmp_path):
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
     common = {"limit_val_batches": 2, "val_check_interval": 5, "enable_checkpointing": True}
-    eager, _, _, _ = fit_cuda(*decoder(SMALL, val_samples=16, **CAPTURABLE), STEPS, **common)
+    eager, _, _, _ = fit_cuda(*decoder(SMALL, val_samples=16, **GRAPHED_FORM), STEPS, **common)
     graphed, _, fit, _ = fit_cuda(*decoder(SMALL, val_samples=16), STEPS, [checkpoint], strategy=full(), **common)
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING and report.fallbacks == 0
@@ -230,7 +230,7 @@ def test_exception_releases_graphs_pool_and_optimizer():
 )
 def test_ddp_single_process_nccl(scope, warmup):
     """DDP with one process (NCCL, world size 1): DDP built on the side stream, all-reduce inside the graph."""
-    overrides = {"lr": 3e-4, **(CAPTURABLE if warmup > 3 else {})}
+    overrides = {"lr": 3e-4, **(GRAPHED_FORM if warmup > 3 else {})}
     eager, eager_params, _, _ = fit_cuda(*decoder(SMALL, **overrides), 20, strategy=DDPStrategy())
     graphed, graphed_params, fit, _ = fit_cuda(
         *decoder(SMALL, lr=3e-4), 20, strategy=DDPCUDAGraphStrategy(scope=scope, warmup_steps=warmup)

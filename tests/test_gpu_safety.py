@@ -73,7 +73,7 @@ def _frozen_first_block(**overrides):
 @pytest.mark.parametrize("mode", MODES)
 def test_unfreezing_a_parameter_after_capture_rolls_back_on_that_step(mode):
     # Eager reference: the optimizer in the form the whole-step graph runs it until the rollback.
-    eager_model, data = _frozen_first_block(capturable=mode == "full_iteration")
+    eager_model, data = _frozen_first_block(fused=mode == "full_iteration")
     eager, _, _ = _fit(eager_model, data, None, callbacks=[_Unfreeze()])
     model, data = _frozen_first_block()
     graphed, callback, _ = _fit(model, data, mode, callbacks=[_Unfreeze()])
