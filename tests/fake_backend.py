@@ -138,6 +138,7 @@ class FakeBackend(CaptureBackend):
         mib_per_graph: What each live graph counts towards the pool.
         step_ms: When set, the step time the timer reports for a step, from the backend's state at its end (live
             regions and steps); otherwise host time.
+        warmup_iters_per_pass: The warmup iterations each region capture pass was asked for, in order.
     """
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -154,6 +155,7 @@ class FakeBackend(CaptureBackend):
     regions: list[FakeRegion] = field(default_factory=list)
     step_graphs: list[FakeStepGraph] = field(default_factory=list)
     optimizers: list[FakeOptimizer] = field(default_factory=list)
+    warmup_iters_per_pass: list[int] = field(default_factory=list)
 
     @property
     def stream(self) -> None:
@@ -169,13 +171,14 @@ class FakeBackend(CaptureBackend):
         self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
     ) -> RegionCaptures:
         self.capturing = True
+        self.warmup_iters_per_pass.append(warmup_iters)
         try:
             if self.fail_capture is not None:
                 raise self.fail_capture
             for call in calls:  # like a capture, run each call once (its hooks must have been stashed)
                 error = self._region_failure(call.name)
-                if error is not None:  # like the CUDA backend: the pass ends, its pool is not used again
-                    return RegionCaptures(failed={call.name: error})
+                if error is not None:  # like the CUDA backend: the pass ends (after warmup), its pool is not used again
+                    return RegionCaptures(failed={call.name: error}, warmed=True)
                 args, kwargs = rebuild_call(call.signature, call.samples)
                 call.forward(*args, **kwargs)
         finally:

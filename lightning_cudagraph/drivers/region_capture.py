@@ -61,6 +61,8 @@ class RegionCapturer:
         while captured is not None and captured.failed:
             if not self._narrow(captured):
                 return None
+            if captured.warmed:  # else a model whose every layer fails would warm up n + (n - 1) + ... layers
+                warmup_iters = 0
             self.backend.renew_pool()
             captured = self._pass(replan(), warmup_iters, how)
         return None if captured is None else captured.regions

@@ -79,6 +79,9 @@ class RegionCaptures:
 
     regions: list[Region] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)
+    #: Every call of the pass was warmed up on the capture stream before it failed: a pass over what is left (the
+    #: same calls, or parts of them, which ran inside them) needs no warmup again.
+    warmed: bool = False
 
 
 #: How regions are captured: ``capture(calls, *, pool, stream, warmup_iters) -> RegionCaptures`` (PyTorch's, or TE's,

@@ -150,6 +150,7 @@ def capture_regions(
     """
     regions: list[GraphedRegion] = []
     name = ""
+    warmed = False
     try:
         with torch.cuda.stream(stream), torch.enable_grad():
             functions = {call.name: _functional(call) for call in calls}
@@ -161,6 +162,7 @@ def capture_regions(
                         outputs, _ = functions[name](*call.samples)
                         _grads_of(outputs, surfaces[name], None)
             torch.cuda.current_stream().synchronize()
+            warmed = True
             for call in calls:
                 name = call.name
                 regions.append(_capture_forward(call, functions[name], surfaces[name], pool))
@@ -170,7 +172,7 @@ def capture_regions(
     except Exception as error:  # one call cannot be captured: say which (an interrupt still propagates)
         for region in regions:
             region.reset()
-        return RegionCaptures(failed={name: error})
+        return RegionCaptures(failed={name: error}, warmed=warmed)
     except BaseException:
         for region in regions:
             region.reset()
