@@ -186,7 +186,7 @@ class Climb:
             self._switch(rung)
 
     def _level_failed(self, reason: str) -> bool:
-        """A level failed while climbing: go back to the best level confirmed below it (``False``: there is none)."""
+        """A level failed while climbing: try the next level, or go back to the best one confirmed (``False``: none)."""
         if self.ladder.settled or self._machine is None:
             return False
         failed = self.ladder.current.name
@@ -194,10 +194,12 @@ class Climb:
         rung = self.ladder.failed(reason)
         if rung is EAGER or rung is None:
             return False
-        rank_zero_warn(
-            f"{self.component}: level {failed!r} of scope='auto' failed ({reason}); training goes back to"
-            f" {rung.name!r}, the fastest level confirmed before it"
+        where = (
+            f"goes back to {rung.name!r}, the fastest level confirmed before it"
+            if self.ladder.settled
+            else f"tries {rung.name!r} next"
         )
+        rank_zero_warn(f"{self.component}: level {failed!r} of scope='auto' failed ({reason}); training {where}")
         self.driver.release()
         self._driver_released = True
         self._pending = rung

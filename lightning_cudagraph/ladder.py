@@ -8,9 +8,14 @@ finds no modules, or the same modules as the rung before, is skipped.
 
 Each rung is captured, confirmed like any graph, then timed over :data:`MEASURE_STEPS` steps on its graphs (CUDA
 events read once per decision; a close call is timed longer). A rung is kept as the best so far when it is faster
-than the best before it (eager training to start with) by :data:`MARGIN`; every rung is tried once, and the fit
-settles on the best. A rung that fails (capture, confirmation, memory budget) ends the climb: training goes back to
-the best rung confirmed before it, or rolls back to eager if there is none.
+than the best before it (eager training to start with) by :data:`MARGIN`.
+
+The walk: the narrowest rung first (it confirms that graphs work on the model at all), then from the widest rung
+down, until one is kept. Every rung tried costs a capture and a few steps on slower graphs, and a wider rung holds
+the work of the narrower ones in fewer launches: once a rung is confirmed faster, the narrower ones left are
+skipped (their rows say so). A rung that fails (capture, confirmation, memory budget) or does not pay hands over
+to the next narrower one. If the first rung fails, the rollout rolls back to eager as a fixed scope would; when
+no rung is left, training settles on the best rung tried (captured again if needed), or on eager training.
 """
 
 from __future__ import annotations
@@ -140,6 +145,7 @@ class Ladder:
             self._rows.get(rung.name) or LevelRecord(rung.name, status="skipped", reason=rung.unavailable)
             for rung in rungs
         ]
+        self._walk = _walk(self._rungs)
         self._position = 0
         self._best: Rung | None = None
         self.settled = not self._rungs
@@ -147,12 +153,12 @@ class Ladder:
     @property
     def current(self) -> Rung | None:
         """The rung training is on (or going to)."""
-        return self._rungs[self._position] if self._rungs else None
+        return self._walk[self._position] if self._walk else None
 
     @property
     def to_try(self) -> list[Rung]:
-        """The rungs the climb tries, in order."""
-        return list(self._rungs)
+        """The rungs the climb may try, in the order it tries them (it stops at the first one kept after the first)."""
+        return list(self._walk)
 
     @property
     def row(self) -> LevelRecord:
@@ -176,6 +182,7 @@ class Ladder:
     def skip(self, name: str, reason: str) -> None:
         """Take a rung out before the climb starts (a problem found once the optimizers exist)."""
         self._rungs = [rung for rung in self._rungs if rung.name != name]
+        self._walk = _walk(self._rungs)
         row = self._rows.pop(name, None)
         if row is not None:
             row.status, row.reason = "skipped", reason
@@ -215,15 +222,28 @@ class Ladder:
         return self._next()
 
     def _next(self) -> Rung | None:
-        if self._position + 1 < len(self._rungs):
+        if self._position > 0 and self._best is self.current:  # the narrower rungs left hold less of its work
+            for rung in self._walk[self._position + 1 :]:
+                row = self._rows[rung.name]
+                row.status, row.reason = "skipped", f"{self.current.name!r} was confirmed faster and holds its work"
+            return self._settle()
+        if self._position + 1 < len(self._walk):
             self._position += 1
             return self.current
         return self._settle()
 
     def failed(self, reason: str) -> Rung | None:
-        """The current rung failed: the climb ends; the best confirmed rung to go back to, or :data:`EAGER`."""
+        """The current rung failed: where the climb goes next.
+
+        Returns:
+            The next narrower rung to try; with none left, or when the first rung failed, the best rung confirmed to
+            go back to (``None`` if it is the current one) or :data:`EAGER`.
+        """
         row = self.row
         row.status, row.reason = "failed", reason
+        if 0 < self._position < len(self._walk) - 1:
+            self._position += 1
+            return self.current
         return self._settle()
 
     def _settle(self) -> Rung | None:
@@ -234,7 +254,7 @@ class Ladder:
         self.report.level = self._best.name
         if self._best is self.current:
             return None
-        self._position = self._rungs.index(self._best)
+        self._position = self._walk.index(self._best)
         return self._best
 
     def describe(self) -> str:
@@ -245,3 +265,8 @@ class Ladder:
             why = f" ({row.reason})" if row.reason else ""
             parts.append(f"{row.level}: {row.status}{timing}{why}")
         return "; ".join(parts)
+
+
+def _walk(rungs: Sequence[Rung]) -> list[Rung]:
+    """The order of the climb: the narrowest rung, then from the widest down."""
+    return [*rungs[:1], *reversed(rungs[1:])]

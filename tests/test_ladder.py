@@ -85,7 +85,7 @@ def test_custom_scopes_join_every_scoped_rung():
 
 
 # ---------------------------------------------------------------------------------------------- the climb
-def test_the_callback_climbs_to_the_fastest_scoped_level_and_stays_there(tmp_path):
+def test_the_callback_climbs_from_attention_to_whole_layers_and_skips_the_level_between(tmp_path):
     backend = timed()
     eager = fit(*decoder(TINY), STEPS, **CPU)
     callback = auto_callback(backend)
@@ -94,16 +94,18 @@ def test_the_callback_climbs_to_the_fastest_scoped_level_and_stays_there(tmp_pat
     report = callback.report
     assert ladder(report) == [
         ("attn", "slower"),
-        ("attn+mlp", "slower"),
+        ("attn+mlp", "skipped"),
         ("layer", "kept"),
         ("full_iteration", "skipped"),
     ]
+    assert report.ladder[1].reason == "'layer' was confirmed faster and holds its work"
+    assert report.ladder[1].steps == 0 and report.ladder[1].capture_ms == 0, "the level between was never tried"
     assert "Trainer(strategy='cudagraph')" in report.ladder[-1].reason
     assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
-    assert [row.step_ms for row in report.ladder[:3]] == [8.0, 6.0, 4.0]
-    assert all(row.steps >= STEPS_PER_LEVEL for row in report.ladder[:3])
+    assert [report.ladder[i].step_ms for i in (0, 2)] == [LEVEL_MS["attn"], LEVEL_MS["layer"]]
+    assert all(report.ladder[i].steps >= STEPS_PER_LEVEL for i in (0, 2))
     assert report.capture_ms_total >= sum(row.capture_ms for row in report.ladder) > 0
-    assert backend.pools == 3, "each level captures into a pool of its own"
+    assert backend.pools == 2, "each level tried captures into a pool of its own"
     assert_losses_close(eager.losses, run.losses, 1e-5)
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
     with open(f"{run.trainer.logger.log_dir}/metrics.csv") as handle:
@@ -111,7 +113,7 @@ def test_the_callback_climbs_to_the_fastest_scoped_level_and_stays_there(tmp_pat
     assert levels[0] == 1.0 and levels[-1] == 3.0 and sorted(levels) == levels, "cudagraph/level follows the climb"
 
 
-def test_through_the_strategy_the_climb_ends_on_the_whole_step():
+def test_through_the_strategy_the_climb_goes_from_attention_to_the_whole_step():
     backend = timed()
     eager = fit(*decoder(TINY), STEPS, **CPU)
     run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
@@ -119,10 +121,11 @@ def test_through_the_strategy_the_climb_ends_on_the_whole_step():
     report = graph_callback(run.trainer).report
     assert ladder(report) == [
         ("attn", "slower"),
-        ("attn+mlp", "slower"),
-        ("layer", "slower"),
+        ("attn+mlp", "skipped"),
+        ("layer", "skipped"),
         ("full_iteration", "kept"),
     ]
+    assert backend.pools == 2, "two levels tried: attention, then the whole step"
     assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration")
     assert backend.step_graphs and backend.step_graphs[-1].replays > 0
     assert_losses_close(eager.losses, run.losses, 1e-5)
@@ -147,23 +150,23 @@ def test_confirming_steps_do_not_count_towards_a_levels_time():
     fit(*decoder(TINY), STEPS, [callback, probe], **CPU)
 
     report = callback.report
-    assert [row.step_ms for row in report.ladder[:3]] == [LEVEL_MS[level] for level in ("attn", "attn+mlp", "layer")]
+    assert [report.ladder[i].step_ms for i in (0, 2)] == [LEVEL_MS["attn"], LEVEL_MS["layer"]]
     assert report.level == "layer"
 
 
-def test_a_wider_level_within_the_margin_is_not_kept_and_training_goes_back_to_the_best():
-    close = 6.0 * (1 - MARGIN / 2)  # faster than attn+mlp, but by less than the margin
-    backend = timed(layer=close)
+def test_wider_levels_within_the_margin_are_not_kept_and_training_goes_back_to_the_best():
+    close = LEVEL_MS["attn"] * (1 - MARGIN / 2)  # faster than attn, but by less than the margin
+    backend = timed(layer=close, **{"attn+mlp": close})
     callback = auto_callback(backend)
     fit(*decoder(TINY), STEPS, [callback], **CPU)
 
     report = callback.report
-    assert ladder(report)[:3] == [("attn", "slower"), ("attn+mlp", "kept"), ("layer", "slower")]
-    assert (report.stage, report.level) == (Stage.REPLAYING, "attn+mlp")
-    steps = [row.steps for row in report.ladder[1:3]]
-    assert steps[0] <= 1 + MEASURE_STEPS + 1, "a clear call is decided on a few steps"
-    assert steps[1] >= 1 + MAX_MEASURE_STEPS, "a call within the margin is timed longer"
-    assert level_of_last_capture(backend) == "attn+mlp", "the best level is captured again"
+    assert ladder(report)[:3] == [("attn", "kept"), ("attn+mlp", "slower"), ("layer", "slower")]
+    assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
+    steps = [row.steps for row in report.ladder[:3]]
+    assert steps[0] <= WARMUP + 1 + MEASURE_STEPS + 1, "a clear call is decided on a few steps (warmup counted)"
+    assert steps[2] >= 1 + MAX_MEASURE_STEPS, "a call within the margin is timed longer"
+    assert level_of_last_capture(backend) == "attn", "the best level is captured again"
 
 
 def level_of_last_capture(backend: FakeBackend) -> str:
@@ -171,17 +174,23 @@ def level_of_last_capture(backend: FakeBackend) -> str:
     return "layer" if re.fullmatch(r"model\.blocks\.\d+", last) else "attn+mlp" if last.endswith(".mlp") else "attn"
 
 
-def test_a_level_that_fails_ends_the_climb_on_the_best_level_confirmed_before_it():
+def test_when_the_widest_level_fails_the_climb_goes_down_to_the_next_narrower_one():
     backend = timed()
     backend.fail_step = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
-    with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed"):
+    with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed .*tries 'layer' next"):
         run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
 
     report = graph_callback(run.trainer).report
-    assert ladder(report)[-1] == ("full_iteration", "failed")
+    assert ladder(report) == [
+        ("attn", "slower"),
+        ("attn+mlp", "skipped"),
+        ("layer", "kept"),
+        ("full_iteration", "failed"),
+    ]
     assert report.ladder[-1].reason.startswith("capture_failed: RuntimeError: Cannot copy")
     assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
     assert level_of_last_capture(backend) == "layer"
+    assert all(optimizer.restored for optimizer in backend.optimizers)
 
 
 def test_no_level_faster_than_eager_turns_graphs_off_and_training_goes_on():
@@ -198,14 +207,14 @@ def test_no_level_faster_than_eager_turns_graphs_off_and_training_goes_on():
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
 
 
-def test_a_level_over_the_memory_budget_ends_the_climb():
-    backend = timed()  # one MiB per region: attn 2, attn+mlp 4, layer 2
+def test_a_level_between_over_the_memory_budget_ends_the_climb_on_the_best_level_before_it():
+    backend = timed(layer=7.9)  # one MiB per region: attn 2, attn+mlp 4, layer 2; layer not faster by the margin
     callback = auto_callback(backend, max_pool_mib=3)
-    with pytest.warns(UserWarning, match="level 'attn\\+mlp' of scope='auto' failed"):
+    with pytest.warns(UserWarning, match="level 'attn\\+mlp' of scope='auto' failed .*goes back to 'attn'"):
         fit(*decoder(TINY), STEPS, [callback], **CPU)
 
     report = callback.report
-    assert ladder(report)[:3] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "planned")]
+    assert ladder(report)[:3] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "slower")]
     assert report.ladder[1].reason.startswith("memory_budget")
     assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
 
@@ -227,10 +236,36 @@ def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
     assert report.rollbacks == 0 and report.stage == Stage.REPLAYING
     parts = {f"{layer}.{part}" for layer in layers for part in ("attn", "moe.router")}
     assert parts <= {region.name for region in backend.regions}, "the parts were captured in place of the layers"
-    layer_row = report.ladder[2]
-    assert (layer_row.status, layer_row.reason) == ("skipped", "after narrowing, the same regions as 'attn+mlp'")
-    assert report.level == "attn+mlp"
+    assert ladder(report)[:3] == [("attn", "slower"), ("attn+mlp", "skipped"), ("layer", "kept")]
+    assert report.ladder[2].step_ms == LEVEL_MS["attn+mlp"], "the layer level runs its layers' dense parts"
+    first_layer_pass = len(backend.warmup_iters_per_pass) - 1 - TINY["n_layer"]
+    assert backend.warmup_iters_per_pass[first_layer_pass:] == [1] + [0] * TINY["n_layer"], (
+        "a pass after a failure needs no warmup: everything left was warmed up before the failure"
+    )
+    assert report.level == "layer"
     assert_losses_close(eager.losses, run.losses, 1e-5)
+
+
+def test_a_level_that_narrows_to_the_regions_of_one_timed_before_is_not_timed_again():
+    # Through the strategy the whole step fails first (the experts' host copy); layer, every layer narrowed to its
+    # dense parts, is timed and does not pay; attn+mlp would capture the same regions.
+    error = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    backend = timed(**{"attn+mlp": 7.9})
+    backend.fail_step = error
+    backend.fail_regions = dict.fromkeys([f"model.blocks.{i}" for i in range(TINY["n_layer"])], error)
+    with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed"):
+        run = fit(*decoder(TINY, MoEDecoderModule), STEPS, strategy=auto_strategy(backend), **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert ladder(report) == [
+        ("attn", "kept"),
+        ("attn+mlp", "skipped"),
+        ("layer", "slower"),
+        ("full_iteration", "failed"),
+    ]
+    assert report.ladder[1].reason == "after narrowing, the same regions as 'layer'"
+    assert report.ladder[1].step_ms != report.ladder[1].step_ms, "not timed again"
+    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "attn", 0)
 
 
 def test_a_region_that_fails_capture_stays_eager_and_the_others_keep_their_graphs():
