@@ -277,8 +277,9 @@ def measure_cost(model: str, precision: str, steps: int) -> dict[str, Any]:
     autos, fixeds = [], []
     for _ in range(COST_ROUNDS):
         autos.append(fit_wall(model, "auto-strategy", precision, steps))
-        level = (autos[0].get("report") or {}).get("level")
-        fixeds.append(fit_wall(model, fixed_variant_for(model, level), precision, steps))
+        report = autos[0].get("report") or {}
+        fixed = fixed_variant_for(model, report.get("level"), narrowed(report))
+        fixeds.append(fit_wall(model, fixed, precision, steps))
     return cost_record(steps, fastest_fit(autos), fastest_fit(fixeds))
 
 
@@ -377,15 +378,30 @@ def speed_ratio(reference_ms: float | None, variant_ms: float | None) -> float |
     return hf._finite_or_none(hf._ratio(reference_ms, variant_ms))
 
 
-def fixed_variant_for(model: str, level: str | None) -> str:
+def narrowed(report: dict[str, Any]) -> bool:
+    """Whether layers of a report's level were replaced by their dense parts (its exclusions say so)."""
+    return any(PARTS_INSTEAD in why for why in (report.get("exclusions") or {}).values())
+
+
+#: What the package's exclusion reason says of a layer replaced by its dense parts.
+PARTS_INSTEAD = "its parts are captured instead"
+
+
+def fixed_variant_for(model: str, level: str | None, layers_narrowed: bool = False) -> str:
     """The fixed variant that trains at a ladder level (``None``: the ladder settled on eager training).
+
+    Args:
+        model: The model (its dense-parts pair differs).
+        level: The level the ladder settled on.
+        layers_narrowed: The level's layers were replaced by their dense parts (as on Qwen3-MoE): it captures what the
+            dense-parts pair does, while a fixed ``layer`` scope rolls back there.
 
     Raises:
         ValueError: An unknown level.
     """
     if level is None:
         return "eager"
-    if level == "attn+mlp":
+    if level == "attn+mlp" or (level == "layer" and layers_narrowed):
         return PAIRS[model]
     if level in ("attn", "layer", "full_iteration"):
         return level

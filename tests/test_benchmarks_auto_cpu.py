@@ -122,6 +122,13 @@ def test_fixed_variant_for_the_level_reached(model, level, variant):
     assert variant in auto.MODELS[model]
 
 
+def test_a_layer_level_narrowed_to_dense_parts_is_costed_against_the_dense_parts_pair():
+    report = {"level": "layer", "exclusions": {"model.model.layers.0": f"capture_failed: ...; {auto.PARTS_INSTEAD}: a"}}
+    assert auto.narrowed(report) and not auto.narrowed({"exclusions": {"model.x": "capture_failed: a host sync"}})
+    assert auto.fixed_variant_for("qwen3_moe", "layer", auto.narrowed(report)) == "attn+moe_router"
+    assert auto.fixed_variant_for("qwen3_moe", "layer") == "layer"
+
+
 def test_unknown_level_is_refused():
     with pytest.raises(ValueError, match="unknown level"):
         auto.fixed_variant_for("gpt", "moe")
