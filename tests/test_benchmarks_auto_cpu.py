@@ -253,6 +253,40 @@ def test_cost_of_the_ladder_over_a_long_fit():
     assert "(goal <= 5%: missed)" in auto.cost_line(slow)
 
 
+def test_the_cost_is_the_climbs_extra_time_where_it_was_timed():
+    # After the climb both fits run the same graphs: the whole fits differ also by the host's scatter over those steps.
+    auto_fit = {
+        "variant": "auto-strategy",
+        "wall_s": 10.6,
+        "climb_s": 1.3,
+        "report": {"level": "attn", "capture_ms_total": 240.0, "ladder": LADDER},
+        "note": "",
+    }
+    fixed_fit = {"variant": "attn", "wall_s": 10.0, "climb_s": 1.1, "report": None, "note": ""}
+    cost = auto.cost_record(1000, auto_fit, fixed_fit)
+    assert cost["climb_cost"] == pytest.approx(0.2 / 10.2)
+    assert cost["cost"] == pytest.approx(0.6 / 10.6)
+    assert cost["met"] is True, "the climb decides"
+    line = auto.cost_line(cost)
+    assert f"the first {auto.CLIMB_STEPS} steps took 1.30 s" in line and 'vs 1.10 s with `scope=["attn"]`' in line
+    assert "2.0% of the fit (goal <= 5%: met); whole fits:" in line and "10.00 s: 5.7%" in line
+
+    walking = {**auto_fit, "report": {**auto_fit["report"], "ladder": [{"level": "attn", "steps": auto.CLIMB_STEPS}]}}
+    unsettled = auto.cost_record(1000, walking, fixed_fit)
+    assert unsettled["climb_cost"] is None and unsettled["met"] is False, "a climb still walking is not timed"
+    assert "(the climb was not timed)" in auto.cost_line(unsettled)
+
+
+def test_the_fastest_fit_takes_the_shortest_climb_of_all_rounds():
+    fits = [
+        {"variant": "attn", "wall_s": 10.0, "climb_s": 1.4, "report": None, "note": ""},
+        {"variant": "attn", "wall_s": 10.5, "climb_s": 1.2, "report": None, "note": ""},
+        {"variant": "attn", "wall_s": None, "climb_s": None, "report": None, "note": "failed"},
+    ]
+    fastest = auto.fastest_fit(fits)
+    assert (fastest["wall_s"], fastest["climb_s"]) == (10.0, 1.2)
+
+
 def test_cost_that_could_not_be_measured():
     failed = {"variant": "auto-strategy", "wall_s": None, "report": None, "note": "failed: RuntimeError: boom"}
     fixed = {"variant": "eager", "wall_s": 9.0, "report": None, "note": ""}
