@@ -113,3 +113,12 @@ def test_a_fused_step_updates_as_the_foreach_step_does():
             optimizer.step()
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_adam_built_with_fused_false_keeps_its_capturable_foreach_form():
+    optimizer = _adamw(fused=False)
+    switched = CapturableOptimizer(optimizer, torch.device("cpu"))
+    (group,) = optimizer.param_groups
+    assert (group["fused"], group["capturable"]) == (False, True)
+    switched.restore()
+    assert (group["fused"], group["capturable"]) == (False, False)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.ladder import MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung, build_rungs
+from lightning_cudagraph.ladder import EAGER, MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung, build_rungs
 from tests.fake_backend import FakeBackend
 from tests.helpers import LEVEL_MS, assert_losses_close, fit, graph_callback, patched_forwards, timed_by_level, trainer
 from tests.models import TINY, MoEDecoderModule, decoder
@@ -289,6 +289,45 @@ def test_a_fixed_scope_under_on_failure_raise_raises_on_the_first_region_that_fa
     with pytest.raises(RuntimeError, match=re.escape("model.blocks.1: capture_failed: RuntimeError: a host sync")):
         fit(*decoder(TINY), 8, [callback], **CPU)
     assert backend.live_graphs == 0
+
+
+# ---------------------------------------------------------------------------------------------- the walk, unit
+def _four_rungs() -> tuple[Ladder, CUDAGraphReport]:
+    report = CUDAGraphReport()
+    names = ("attn", "attn+mlp", "layer", "full_iteration")
+    return Ladder([Rung(name) for name in names], report), report
+
+
+def test_the_walk_tries_the_narrowest_then_widens_fully_then_narrows_step_by_step():
+    ladder, report = _four_rungs()
+    assert [rung.name for rung in ladder.to_try] == ["attn", "full_iteration", "layer", "attn+mlp"]
+    assert ladder.measured(8.0, eager_ms=10.0).name == "full_iteration"
+    assert ladder.measured(7.9, eager_ms=10.0).name == "layer", "within the margin of attn: narrow by one"
+    assert ladder.failed("capture_failed: a host sync").name == "attn+mlp", "a failure hands over to the next one"
+    assert ladder.measured(6.0, eager_ms=10.0) is None, "the last rung, kept: stay"
+    assert ladder.settled and report.level == "attn+mlp"
+    assert [(row.level, row.status) for row in report.ladder] == [
+        ("attn", "slower"),
+        ("attn+mlp", "kept"),
+        ("layer", "failed"),
+        ("full_iteration", "slower"),
+    ]
+
+
+def test_the_first_rung_failing_ends_the_climb_with_nothing_to_go_back_to():
+    ladder, report = _four_rungs()
+    assert ladder.failed("parity") is EAGER
+    assert ladder.settled and report.level is None
+    assert [row.status for row in report.ladder] == ["failed", "planned", "planned", "planned"]
+
+
+def test_the_last_rung_failing_goes_back_to_the_best_one():
+    ladder, report = _four_rungs()
+    ladder.measured(8.0, eager_ms=10.0)
+    ladder.measured(9.0, eager_ms=10.0)
+    ladder.measured(9.0, eager_ms=10.0)
+    assert ladder.failed("memory_budget").name == "attn"
+    assert report.level == "attn"
 
 
 def test_a_median_near_the_bar_is_timed_longer_when_its_steps_are_noisy_and_a_clear_one_is_not():

@@ -25,7 +25,8 @@ class CapturableOptimizer:
     kernels (the capturable ``foreach`` Adam adds a pass per bias correction; on the H200 the fused one took a
     medium GPT's bf16 whole step from 8.3 to 6.8 ms). Adam and AdamW also get ``capturable=True``, which their
     step checks under capture. Parameters that fused kernels cannot take (not floating point, or not on the
-    graphs' device) keep the capturable ``foreach`` form. An optimizer built with ``fused=True`` is left as it is.
+    graphs' device), and an Adam built with ``fused=False``, keep the capturable ``foreach`` form. An optimizer built
+    with ``fused=True`` is left as it is.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -46,10 +47,10 @@ class CapturableOptimizer:
         ]
         self._steps_on_cpu = False
         for group in self.groups:
+            if _to_fuse(group, device):
+                group["fused"], group["foreach"] = True, False
             if "capturable" in group:
                 group["capturable"] = True  # fused Adam checks the flag under capture as well
-            if not group.get("fused") and ("capturable" not in group or _fused_kernels_take(group, device)):
-                group["fused"], group["foreach"] = True, False
             if not isinstance(group["lr"], Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
         for state in optimizer.state.values():
@@ -104,8 +105,19 @@ class CapturableOptimizer:
         return self._steps_on_cpu or not any(saved["capturable"] or saved["fused"] for saved in self._saved)
 
 
-def _fused_kernels_take(group: dict[str, Any], device: torch.device) -> bool:
-    """Whether a fused step can update every parameter of ``group``: floating point, on the graphs' device."""
-    return not group.get("differentiable") and all(
-        torch.is_floating_point(p) and p.device.type == device.type for p in group["params"]
+def _to_fuse(group: dict[str, Any], device: torch.device) -> bool:
+    """Whether to switch ``group`` to its fused step.
+
+    SGD always (not fused yet): its fused step is its capturable form. Adam and AdamW when left at PyTorch's default
+    (``fused=None``; ``False`` is the user's choice) and the fused kernels take every parameter: floating point, on
+    the graphs' device.
+    """
+    if group.get("fused"):
+        return False
+    if "capturable" not in group:
+        return True
+    return (
+        group.get("fused") is None
+        and not group.get("differentiable")
+        and all(torch.is_floating_point(p) and p.device.type == device.type for p in group["params"])
     )
