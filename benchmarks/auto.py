@@ -540,7 +540,7 @@ def progress_line(result: dict[str, Any]) -> str:
 
 def ratio_line(entry: dict[str, Any]) -> str:
     """One ratio in words, with its goal."""
-    ratio = "n/a" if entry["ratio"] is None else f"{entry['ratio']:.2f}x"
+    ratio = "n/a" if entry["ratio"] is None else f"{entry['ratio']:.{_digits(entry)}f}x"
     reference = LABELS.get(entry["reference"], entry["reference"])
     if entry["against"] != "eager":
         reference = f"{entry['against']} ({reference})"
@@ -549,6 +549,12 @@ def ratio_line(entry: dict[str, Any]) -> str:
         verdict = "n/a" if entry["met"] is None else ("met" if entry["met"] else "missed")
         goal = f" (goal >= {entry['goal']:.2f}x: {verdict})"
     return f"{LABELS.get(entry['variant'], entry['variant'])} vs {reference}: {ratio}{goal}"
+
+
+def _digits(entry: dict[str, Any]) -> int:
+    """Two decimals, or three where two would show a missed goal as the goal itself (1.248x as 1.25x)."""
+    missed_at_two = entry["goal"] is not None and not entry["met"] and round(entry["ratio"], 2) >= entry["goal"]
+    return 3 if missed_at_two else 2
 
 
 def cost_line(cost: dict[str, Any] | None) -> str:

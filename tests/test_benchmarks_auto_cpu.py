@@ -287,6 +287,13 @@ def test_the_fastest_fit_takes_the_shortest_climb_of_all_rounds():
     assert (fastest["wall_s"], fastest["climb_s"]) == (10.0, 1.2)
 
 
+def test_a_ratio_just_short_of_its_goal_is_not_printed_as_the_goal():
+    entry = {"variant": "auto-callback", "against": "eager", "reference": "eager", "goal": 1.25}
+    assert "1.248x (goal >= 1.25x: missed)" in auto.ratio_line({**entry, "ratio": 1.2483, "met": False})
+    assert "1.30x (goal >= 1.25x: met)" in auto.ratio_line({**entry, "ratio": 1.3, "met": True})
+    assert "1.10x (goal >= 1.25x: missed)" in auto.ratio_line({**entry, "ratio": 1.1, "met": False})
+
+
 def test_cost_that_could_not_be_measured():
     failed = {"variant": "auto-strategy", "wall_s": None, "report": None, "note": "failed: RuntimeError: boom"}
     fixed = {"variant": "eager", "wall_s": 9.0, "report": None, "note": ""}
