@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f" {WARMUP_STEPS + LADDER_STEPS} steps to settle, so the timing may include it",
             flush=True,
         )
-    args.models = hf.model_list(parser, args.models, MODELS)
+    args.models = hf.names(parser, "--models", "model", args.models, MODELS)
     return args
 
 

@@ -59,7 +59,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -175,18 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f" {LATENCY_STEPS} steps, so the timing includes them",
             flush=True,
         )
-    args.models = names(parser, "--models", "model", args.models, MODELS)
-    args.precisions = names(parser, "--precisions", "precision", args.precisions, PRECISIONS)
+    args.models = hf.names(parser, "--models", "model", args.models, MODELS)
+    args.precisions = hf.names(parser, "--precisions", "precision", args.precisions, PRECISIONS)
     return args
-
-
-def names(parser: argparse.ArgumentParser, option: str, what: str, text: str, known: Sequence[str]) -> list[str]:
-    """The comma-separated names of ``option``, without repeats; an unknown name or an empty list is an error."""
-    given = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in given if n not in known]
-    if unknown or not given:
-        parser.error(f"{option}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
-    return given
 
 
 # =================================================================== running

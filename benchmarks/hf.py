@@ -94,17 +94,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--skip must be at least 0 and below --steps (got {args.skip}, {args.steps})")
     if args.skip < WARMUP_STEPS + 2:
         print(f"note: --skip {args.skip} times the eager warmup and the capture step as well", flush=True)
-    args.models = model_list(parser, args.models, MODELS)
+    args.models = names(parser, "--models", "model", args.models, MODELS)
     return args
 
 
-def model_list(parser: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
-    """The comma-separated models of ``--models``; an unknown or empty list is the parser's error."""
-    models = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = sorted(set(models) - set(known))
-    if unknown or not models:
-        parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
-    return models
+def names(parser: argparse.ArgumentParser, option: str, what: str, text: str, known: Sequence[str]) -> list[str]:
+    """The comma-separated names of ``option``, each once; an unknown or empty list is the parser's error."""
+    given = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in given if n not in known]
+    if unknown or not given:
+        parser.error(f"{option}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:
