@@ -39,7 +39,7 @@ from lightning_cudagraph import Stage
 from tests import ddp_gpu_worker as worker
 from tests.helpers import assert_losses_close, trainer
 from tests.models import TINY, decoder
-from tests.test_rank_agreement import LAUNCHER_VARIABLES, _children, _tail
+from tests.test_rank_agreement import _children, _tail, torchrun_environment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER = REPO_ROOT / "tests" / "ddp_gpu_worker.py"
@@ -98,8 +98,7 @@ class Launch:
 
 def launch(case: str, out: Path) -> Launch:
     """Run ``case`` on two GPUs; never raises (a hang is killed and reported as ``returncode=None``)."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = torchrun_environment()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += [str(WORKER), "--case", case, "--out", str(out)]
     started = time.monotonic()

@@ -48,13 +48,20 @@ LAUNCHER_VARIABLES = (
     "MASTER_PORT",
 )
 
+
+def torchrun_environment() -> dict[str, str]:
+    """This process's environment for a ``torchrun`` of a worker: no launcher variables, the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 Ranks = tuple[dict[str, Any], dict[str, Any]]
 
 
 def launch(case: str, out: Path) -> Ranks:
     """Run ``case`` on two processes; the reports of rank 0 and rank 1. A hang or a failed rank fails the test."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = torchrun_environment()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += [str(WORKER), "--case", case, "--out", str(out)]
     log_path = out / "launch.log"  # a file, not a pipe: a worker left behind cannot keep the test reading
