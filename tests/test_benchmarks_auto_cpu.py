@@ -34,6 +34,7 @@ def test_says_it_needs_cuda_and_exits_2(tmp_path):
         (["--out", "x", "--steps", "60", "--timed", "60"], "--timed must be"),
         (["--out", "x", "--timed", "0"], "--timed must be"),
         (["--out", "x", "--cost-steps", "-1"], "--cost-steps must be"),
+        (["--out", "x", "--rounds", "0"], "--rounds must be"),
         (["--out", "x", "--models", "gpt,gpt2"], "unknown model"),
         (["--steps", "20"], "--out"),
     ],
@@ -47,7 +48,7 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 
 def test_defaults_time_the_steady_state_after_the_ladder(capsys):
     args = auto.parse_args(["--out", "x"])
-    assert (args.steps, args.timed, args.cost_steps, args.precision) == (200, 60, 1000, "32-true")
+    assert (args.steps, args.timed, args.cost_steps, args.precision, args.rounds) == (200, 60, 1000, "32-true", 3)
     assert args.models == ["gpt", "llama", "qwen3_moe"]
     assert args.steps - args.timed >= auto.WARMUP_STEPS + auto.LADDER_STEPS
     assert "note:" not in capsys.readouterr().out
@@ -171,6 +172,33 @@ def _moe_results() -> list[dict]:
         _result("auto-callback", 15.5, {**auto_report, "ladder": LADDER[:3]}),
         _result("auto-strategy", 16.0, auto_report),
     ]
+
+
+def test_each_variant_counts_its_fastest_of_alternated_rounds(monkeypatch):
+    # Round by round, the GPT's variants get slower and faster; a failed fit never counts over a timed one.
+    medians = {"eager": [20.0, 19.0, 21.0], "layer": [6.3, None, 5.4], "full_iteration": [None, None, None]}
+    order = []
+
+    def fit(model, variant, precision, steps, skip):
+        ms = medians.get(variant, [10.0] * 3)[sum(v == variant for v in order)]
+        order.append(variant)
+        report = None if variant == "eager" else {}
+        return _result(variant, ms, report), [3.0, 2.0 + len(order)]
+
+    monkeypatch.setattr(auto, "run_variant", fit)
+    measured = auto.measure_model("gpt", "32-true", 200, 140, cost_steps=0, rounds=3)
+
+    assert order == list(auto.MODELS["gpt"]) * 3
+    by_name = {r["variant"]: r for r in measured["results"]}
+    assert [r["variant"] for r in measured["results"]] == list(auto.MODELS["gpt"])
+    assert (by_name["eager"]["median_ms"], by_name["eager"]["round_ms"]) == (19.0, [20.0, 19.0, 21.0])
+    assert (by_name["layer"]["median_ms"], by_name["layer"]["round_ms"]) == (5.4, [6.3, None, 5.4])
+    assert by_name["full_iteration"]["median_ms"] is None
+    assert by_name["layer"]["speedup"] == pytest.approx(19.0 / 5.4)
+    # Loss parity reads the first round's losses (the same seed and batches every round): eager's second loss was
+    # written at the first fit, layer's at the fourth; later rounds' would differ more.
+    assert by_name["layer"]["loss_max_abs_diff"] == pytest.approx((2.0 + 4) - (2.0 + 1))
+    assert measured["cost"] is None
 
 
 def test_relative_figures_against_eager():
@@ -358,6 +386,7 @@ def _record(precision: str) -> dict:
         "steps": 200,
         "timed": 60,
         "cost_steps": 1000,
+        "rounds": 3,
         "warmup_steps": 3,
         "parity_steps": 20,
         "environment": {"gpu": "Synthetic GPU", "torch": "0", "lightning": "0", "transformers": "5", "date": "2000"},
@@ -388,6 +417,7 @@ def test_markdown_has_tables_ratios_ladder_and_cost(tmp_path):
     assert '- `strategy="cudagraph"` (auto) vs rolled back (`scope=["layer"]`): 1.28x' in text
     assert "3.8% (goal <= 5%: met)" in text
     assert text.count("Median ms per step over the last 60 of 200 steps") == 2
+    assert text.count("in the fastest of 3 alternated fit(s) per variant; fixed scopes with `warmup_steps=3`") == 2
 
 
 def test_config_of_each_model():
