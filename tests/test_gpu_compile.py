@@ -67,6 +67,24 @@ def test_the_whole_step_with_compiled_kernels_in_bf16_mixed():
     assert_losses_close(eager.losses[:10], run.losses[:10], 5e-2)  # bf16 and clipping: the first steps agree
 
 
+def test_the_whole_step_with_compiled_kernels_in_16_mixed_under_a_step_schedule():
+    # 16-mixed: the grad scaler's unscaling, inf check and scale update run in the graph, with the compiled kernels;
+    # the schedule halves the lr every 10 optimizer steps, on replayed steps. (Lightning refuses gradient clipping with
+    # a fused optimizer under 16-mixed: the optimizer unscales its gradients itself.)
+    overrides = {"fused": True, "lr_step_size": 10, "lr_gamma": 0.5, "lr": 3e-4}
+    eager = fit_cuda(*decoder(SMALL, **overrides), STEPS, precision="16-mixed")
+    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP, compile=True)
+    run = fit_cuda(*decoder(SMALL, **overrides), STEPS, strategy=strategy, precision="16-mixed")
+
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
+    assert report.compile_s > 0 and report.recompiles == 0
+    (group,) = run.trainer.optimizers[0].param_groups
+    (eager_group,) = eager.trainer.optimizers[0].param_groups
+    assert group["lr"] == pytest.approx(eager_group["lr"]) and group["lr"] < 3e-4, "the schedule ran as in eager"
+    assert_losses_close(eager.losses, run.losses, 5e-2)
+
+
 def test_layers_capture_their_compiled_forwards_and_pass_parity_against_eager():
     eager = fit_cuda(*decoder(SMALL), STEPS)
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, compile=True)
