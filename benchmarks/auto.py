@@ -651,10 +651,10 @@ def section(record: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]], skip: int) -> str:
-    """The variants of one model: ms/step, speedup, level reached, stage, loss parity and notes."""
+    """The variants of one model: ms/step, speedup, level reached, stage, loss parity, notes and every round's ms."""
     header = (
-        "| variant | ms/step | vs eager | level reached | stage | loss parity | note |\n"
-        "|---|---:|---:|---|---|---:|---|\n"
+        "| variant | ms/step | vs eager | level reached | stage | loss parity | note | ms/step per round |\n"
+        "|---|---:|---:|---|---|---:|---|---|\n"
     )
     rows = []
     for result in results:
@@ -668,6 +668,7 @@ def table(results: list[dict[str, Any]], skip: int) -> str:
             report.get("stage", "").lower(),
             "" if result["variant"] == "eager" else hf._fmt(result.get("loss_max_abs_diff"), None),
             hf._cell(note(result, skip), 200),
+            " / ".join(hf._fmt(ms, 2) or "n/a" for ms in result.get("round_ms", [])),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return header + "\n".join(rows) + "\n"

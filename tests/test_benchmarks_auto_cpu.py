@@ -371,7 +371,8 @@ def test_note_says_when_the_ladder_walked_into_the_timing():
 
 
 def _record(precision: str) -> dict:
-    results = _moe_results()
+    results = [auto.fastest_round([result]) for result in _moe_results()]
+    results[3] = auto.fastest_round([_result("layer", 21.0, ROLLED_BACK), results[3]])
     auto.add_relative_figures(results, {"eager": [3.0], **{r["variant"]: [3.0 + 1e-6] for r in results[1:]}})
     cost = auto.cost_record(
         1000,
@@ -410,6 +411,8 @@ def test_markdown_has_tables_ratios_ladder_and_cost(tmp_path):
     )
     assert '| `scope=["layer"]` | 20.50 | 0.98x | eager | disabled |' in rows['| `scope=["layer"]`']
     assert "rolled back: capture_failed: RuntimeError: host sync" in rows['| `scope=["layer"]`']
+    assert rows['| `scope=["layer"]`'].endswith("| 21.00 / 20.50 |"), "every round's median, the fastest counted"
+    assert rows['| `strategy="cudagraph_full"`'].endswith("| n/a |"), "a round that was not timed"
     assert rows["| eager Lightning"].startswith("| eager Lightning | 20.00 | 1.00x |  |  |  |")
     assert "| layer | failed |  | 40 | 2 | a \\| b |" in text
     assert "| attn | kept | 16.00 | 120 | 9 |  |" in text
