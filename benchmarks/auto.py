@@ -214,14 +214,18 @@ def measure_model(model: str, precision: str, steps: int, skip: int, cost_steps:
 
 
 def fastest_round(fits: list[dict[str, Any]]) -> dict[str, Any]:
-    """A variant's fit with the lowest median (the first where none was timed), with every round's median.
+    """A variant's fit with the lowest median (the first where none was timed), with every round's median and level.
 
     One fit is not enough on these host-bound steps: the host's speed differs between fits of the same graphs by up to
     a fifth (``scope=["layer"]`` on the small GPT: 5.4 and 6.3 ms/step in one run, alone and reached by the ladder).
     """
     timed = [fit for fit in fits if fit["median_ms"] is not None]
     fastest = min(timed, key=lambda fit: fit["median_ms"]) if timed else fits[0]
-    return {**fastest, "round_ms": [fit["median_ms"] for fit in fits]}
+    return {
+        **fastest,
+        "round_ms": [fit["median_ms"] for fit in fits],
+        "round_levels": [level_reached(fit) for fit in fits],
+    }
 
 
 def model_config(model: str) -> dict[str, Any]:
@@ -668,10 +672,19 @@ def table(results: list[dict[str, Any]], skip: int) -> str:
             report.get("stage", "").lower(),
             "" if result["variant"] == "eager" else hf._fmt(result.get("loss_max_abs_diff"), None),
             hf._cell(note(result, skip), 200),
-            " / ".join(hf._fmt(ms, 2) or "n/a" for ms in result.get("round_ms", [])),
+            rounds_cell(result),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return header + "\n".join(rows) + "\n"
+
+
+def rounds_cell(result: dict[str, Any]) -> str:
+    """Every round's median, with the level an auto variant reached in it (a ladder may settle apart by round)."""
+    levels = result.get("round_levels") if result["variant"] in AUTO_VARIANTS else None
+    cells = [hf._fmt(ms, 2) or "n/a" for ms in result.get("round_ms", [])]
+    if levels and len(levels) == len(cells):
+        cells = [f"{ms} ({level})" for ms, level in zip(cells, levels, strict=True)]
+    return " / ".join(cells)
 
 
 def note(result: dict[str, Any], skip: int) -> str:

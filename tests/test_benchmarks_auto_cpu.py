@@ -193,6 +193,7 @@ def test_each_variant_counts_its_fastest_of_alternated_rounds(monkeypatch):
     assert [r["variant"] for r in measured["results"]] == list(auto.MODELS["gpt"])
     assert (by_name["eager"]["median_ms"], by_name["eager"]["round_ms"]) == (19.0, [20.0, 19.0, 21.0])
     assert (by_name["layer"]["median_ms"], by_name["layer"]["round_ms"]) == (5.4, [6.3, None, 5.4])
+    assert by_name["layer"]["round_levels"] == ["layer"] * 3
     assert by_name["full_iteration"]["median_ms"] is None
     assert by_name["layer"]["speedup"] == pytest.approx(19.0 / 5.4)
     # Loss parity reads the first round's losses (the same seed and batches every round): eager's second loss was
@@ -413,6 +414,7 @@ def test_markdown_has_tables_ratios_ladder_and_cost(tmp_path):
     assert "rolled back: capture_failed: RuntimeError: host sync" in rows['| `scope=["layer"]`']
     assert rows['| `scope=["layer"]`'].endswith("| 21.00 / 20.50 |"), "every round's median, the fastest counted"
     assert rows['| `strategy="cudagraph_full"`'].endswith("| n/a |"), "a round that was not timed"
+    assert rows['| `strategy="cudagraph"` (auto)'].endswith("| 16.00 (attn) |"), "the level each round settled on"
     assert rows["| eager Lightning"].startswith("| eager Lightning | 20.00 | 1.00x |  |  |  |")
     assert "| layer | failed |  | 40 | 2 | a \\| b |" in text
     assert "| attn | kept | 16.00 | 120 | 9 |  |" in text
