@@ -216,8 +216,9 @@ def measure_model(model: str, precision: str, steps: int, skip: int, cost_steps:
 def fastest_round(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """A variant's fit with the lowest median (the first where none was timed), with every round's median and level.
 
-    One fit is not enough on these host-bound steps: the host's speed differs between fits of the same graphs by up to
-    a fifth (``scope=["layer"]`` on the small GPT: 5.4 and 6.3 ms/step in one run, alone and reached by the ladder).
+    One fit is not enough on these host-bound steps: the host's speed differs between fits of the same graphs by a
+    third or more, in stretches of consecutive fits (``scope=["attn", "moe_router"]`` on Qwen3-MoE: 18.3, 25.7 and
+    20.9 ms/step in the three rounds of one run, while eager Lightning stayed at 27.3-27.8 ms).
     """
     timed = [fit for fit in fits if fit["median_ms"] is not None]
     fastest = min(timed, key=lambda fit: fit["median_ms"]) if timed else fits[0]
