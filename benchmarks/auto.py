@@ -220,10 +220,8 @@ def fastest_round(fits: list[dict[str, Any]]) -> dict[str, Any]:
     third or more, in stretches of consecutive fits (``scope=["attn", "moe_router"]`` on Qwen3-MoE: 18.3, 25.7 and
     20.9 ms/step in the three rounds of one run, while eager Lightning stayed at 27.3-27.8 ms).
     """
-    timed = [fit for fit in fits if fit["median_ms"] is not None]
-    fastest = min(timed, key=lambda fit: fit["median_ms"]) if timed else fits[0]
     return {
-        **fastest,
+        **_least(fits, "median_ms"),
         "round_ms": [fit["median_ms"] for fit in fits],
         "round_levels": [level_reached(fit) for fit in fits],
     }
@@ -322,10 +320,14 @@ def measure_cost(model: str, precision: str, steps: int) -> dict[str, Any]:
 
 def fastest_fit(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """The fit with the shortest wall time (a failed one only if every one failed), with the shortest climb of all."""
-    timed = [fit for fit in fits if fit["wall_s"] is not None]
-    climbs = [fit["climb_s"] for fit in timed if fit.get("climb_s") is not None]
-    fastest = min(timed, key=lambda fit: fit["wall_s"]) if timed else fits[0]
-    return {**fastest, "climb_s": min(climbs, default=None)}
+    climbs = [fit["climb_s"] for fit in fits if fit["wall_s"] is not None and fit.get("climb_s") is not None]
+    return {**_least(fits, "wall_s"), "climb_s": min(climbs, default=None)}
+
+
+def _least(fits: list[dict[str, Any]], figure: str) -> dict[str, Any]:
+    """The fit with the least ``figure`` among those that have it (the first fit where none has)."""
+    measured = [fit for fit in fits if fit[figure] is not None]
+    return min(measured, key=lambda fit: fit[figure]) if measured else fits[0]
 
 
 class ClimbMark(pl.Callback):
@@ -382,18 +384,7 @@ def as_dict(result: Result, graph: CUDAGraphCallback | None = None) -> dict[str,
 
 def report_figures(report: CUDAGraphReport) -> dict[str, Any]:
     """What the benchmark keeps of the package's report, as JSON-ready values."""
-    return {
-        "stage": report.stage.name,
-        "reason": report.reason,
-        "captures": report.captures,
-        "replays": report.replays,
-        "fallbacks": report.fallbacks,
-        "rollbacks": report.rollbacks,
-        "rollback_reasons": list(report.rollback_reasons),
-        "pool_mib": hf._finite_or_none(report.pool_mib),
-        "capture_ms": hf._finite_or_none(report.capture_ms),
-        **ladder_fields(report),
-    }
+    return {**hf.report_core(report), **ladder_fields(report)}
 
 
 def ladder_fields(report: CUDAGraphReport) -> dict[str, Any]:

@@ -418,19 +418,11 @@ def report_figures(report: Any) -> dict[str, Any]:
     read as ``None`` where the report has no such field)."""
     compile_s = getattr(report, "compile_s", None)
     return {
-        "stage": report.stage.name,
+        **hf.report_core(report),
         "level": getattr(report, "level", None),
-        "reason": report.reason,
         "compile_s": None if compile_s is None else hf._finite_or_none(float(compile_s)),
         "recompiles": getattr(report, "recompiles", None),
-        "captures": report.captures,
-        "replays": report.replays,
-        "fallbacks": report.fallbacks,
         "steps_replayed": report.steps_replayed,
-        "rollbacks": report.rollbacks,
-        "rollback_reasons": list(report.rollback_reasons),
-        "pool_mib": hf._finite_or_none(report.pool_mib),
-        "capture_ms": hf._finite_or_none(report.capture_ms),
     }
 
 

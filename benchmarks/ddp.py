@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from benchmarks.hf import LossClock, _finite_or_none, _fmt, _ratio, result_note
+from benchmarks.hf import LossClock, _finite_or_none, _fmt, _ratio, report_core, result_note
 from benchmarks.report import write_records_markdown
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import CONFIGS, Result, model_args, peak_memory, timing_trainer
@@ -320,22 +320,14 @@ def as_dict(
     }
     if report is not None:
         figures["report"] = {
-            "stage": report.stage.name,
-            "reason": report.reason,
+            **report_core(report),
             "level": report.level,
             "ladder": [
                 {"level": row.level, "status": row.status, "step_ms": _finite_or_none(row.step_ms)}
                 for row in report.ladder
             ],
-            "captures": report.captures,
-            "replays": report.replays,
-            "fallbacks": report.fallbacks,
-            "rollbacks": report.rollbacks,
-            "rollback_reasons": list(report.rollback_reasons),
             "steps_replayed": report.steps_replayed,
             "steps_eager": report.steps_eager,
-            "pool_mib": _finite_or_none(report.pool_mib),
-            "capture_ms": _finite_or_none(report.capture_ms),
             "parity_err": _finite_or_none(report.parity_err),
         }
     return figures

@@ -221,19 +221,26 @@ def as_dict(result: Result, graph: CUDAGraphCallback | None = None) -> dict[str,
     if graph is not None:
         report = graph.report
         figures["report"] = {
-            "stage": report.stage.name,
-            "reason": report.reason,
+            **report_core(report),
             "scopes": {scope: len(names) for scope, names in report.scopes.items()},
-            "captures": report.captures,
-            "replays": report.replays,
-            "fallbacks": report.fallbacks,
-            "rollbacks": report.rollbacks,
-            "rollback_reasons": list(report.rollback_reasons),
-            "pool_mib": _finite_or_none(report.pool_mib),
-            "capture_ms": _finite_or_none(report.capture_ms),
             "parity_err": _finite_or_none(report.parity_err),
         }
     return figures
+
+
+def report_core(report: Any) -> dict[str, Any]:
+    """The fields of the package's report every benchmark keeps, as JSON-ready values."""
+    return {
+        "stage": report.stage.name,
+        "reason": report.reason,
+        "captures": report.captures,
+        "replays": report.replays,
+        "fallbacks": report.fallbacks,
+        "rollbacks": report.rollbacks,
+        "rollback_reasons": list(report.rollback_reasons),
+        "pool_mib": _finite_or_none(report.pool_mib),
+        "capture_ms": _finite_or_none(report.capture_ms),
+    }
 
 
 def max_abs_diff(reference: list[float], other: list[float]) -> float:
