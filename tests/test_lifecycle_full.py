@@ -57,6 +57,87 @@ def test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true(tmp_pa
     assert_released(backend)
 
 
+class ManyLogs(DecoderModule):
+    """Logs on step and on epoch, a mean with the batch size taken from the batch, a sum with its own, a number."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("loss_epoch", loss, on_step=False, on_epoch=True)
+        self.log("double_sum", loss * 2, on_step=True, on_epoch=True, reduce_fx="sum", batch_size=3)
+        self.log("constant", 1.5)
+        return loss
+
+
+class OwnLog(DecoderModule):
+    """A LightningModule whose ``log`` does something of its own on every call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.own_calls = 0
+
+    def log(self, *args, **kwargs):
+        self.own_calls += 1
+        super().log(*args, **kwargs)
+
+
+def user_rows(path) -> list[dict[str, float]]:
+    """The rows of a CSVLogger's metrics with what the user logged (the package's ``cudagraph/`` keys left out)."""
+    with open(path) as handle:
+        rows = [
+            {k: float(v) for k, v in row.items() if v and not k.startswith("cudagraph/")}
+            for row in csv.DictReader(handle)
+        ]
+    return [row for row in rows if set(row) - {"step", "epoch"}]
+
+
+def test_replayed_steps_log_every_kind_of_call_as_eager_training_does_across_epochs(tmp_path, monkeypatch):
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    through_log: dict[str, int] = {}
+    original = _ResultCollection.log
+
+    def counted(self, fx, name, *args, **kwargs):
+        through_log[name] = through_log.get(name, 0) + 1
+        return original(self, fx, name, *args, **kwargs)
+
+    monkeypatch.setattr(_ResultCollection, "log", counted)
+    steps, per_epoch = 12, 6
+    size = {**TINY, "batch_size": 4, "train_samples": per_epoch * 4}
+    eager = fit(*decoder(size, ManyLogs), steps, logger=CSVLogger(tmp_path, name="eager"), log_every_n_steps=1, **CPU)
+    eager_calls, through_log = through_log, {}
+    run = fit(
+        *decoder(size, ManyLogs),
+        steps,
+        strategy=whole_step(),
+        logger=CSVLogger(tmp_path, name="graphed"),
+        log_every_n_steps=1,
+        **CPU,
+    )
+    assert graph_callback(run.trainer).report.replays == steps - WARMUP
+    assert run.trainer.current_epoch == eager.trainer.current_epoch == 2
+    for metrics in ("logged_metrics", "callback_metrics", "progress_bar_metrics"):
+        want, got = getattr(eager.trainer, metrics), getattr(run.trainer, metrics)
+        assert sorted(got) == sorted(want), metrics
+        for key in want:
+            assert float(got[key]) == pytest.approx(float(want[key]), abs=1e-5), f"{metrics}[{key!r}]"
+    eager_rows = user_rows(eager.trainer.logger.log_dir + "/metrics.csv")
+    graphed_rows = user_rows(run.trainer.logger.log_dir + "/metrics.csv")
+    assert [sorted(row) for row in graphed_rows] == [sorted(row) for row in eager_rows]
+    for want, got in zip(eager_rows, graphed_rows, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+    # Tensors go through self.log in the eager warmup, on the first replay and on each epoch's first step; a number
+    # goes through it on every step.
+    assert eager_calls == dict.fromkeys(["train_loss", "loss_epoch", "double_sum", "constant"], steps)
+    assert through_log == {**dict.fromkeys(["train_loss", "loss_epoch", "double_sum"], WARMUP + 2), "constant": steps}
+
+
+def test_a_module_that_overrides_log_has_it_called_for_every_replayed_step(tmp_path):
+    run = fit(*decoder(TINY, OwnLog), STEPS, strategy=whole_step(), default_root_dir=tmp_path, **CPU)
+    assert graph_callback(run.trainer).report.replays == STEPS - WARMUP
+    assert run.model.own_calls == STEPS
+
+
 def batches_of_sizes(sizes: list[int]) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(TINY["vocab_size"], (max(sizes), TINY["seq_len"] + 1), generator=generator)

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_cudagraph._lightning import logs_recorded, relog, set_closure_result, step_loss
+from lightning_cudagraph._lightning import set_closure_result, step_loss
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
 from lightning_cudagraph.drivers.evidence import MetricUpdates, StateWatch
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
@@ -153,10 +153,9 @@ class FullStepDriver(Driver):
         metrics = MetricUpdates([("", module)])
 
         def body() -> None:  # what the graph holds; its Python runs while capturing only
-            whole.logs.clear()
             self._capturing = whole
             try:
-                with logs_recorded(module, whole.logs):
+                with whole.logs.recorded(module):
                     run_step()
             finally:
                 self._capturing = None
@@ -202,7 +201,7 @@ class FullStepDriver(Driver):
         self.report.steps_replayed += 1
         output = whole.output_copy()
         set_closure_result(closure, output, trainer.accumulate_grad_batches)
-        relog(module, whole.logs)
+        whole.logs.reissue(module)
         whole.confirm_left -= 1
         return output
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph._lightning import LogCall
+from lightning_cudagraph._lightning import StepLogs
 from lightning_cudagraph.graphs.backend import StepGraph
 
 
@@ -28,7 +28,7 @@ class WholeStep:
     static_batch: Any
     graph: StepGraph | None = None
     output: Any = None
-    logs: list[LogCall] = field(default_factory=list)
+    logs: StepLogs = field(default_factory=StepLogs)
     confirm_left: int = 0
 
     def stage(self, batch: Any) -> Any:
@@ -48,7 +48,7 @@ class WholeStep:
             self.graph.reset()
         self.graph = None
         self.static_batch = self.output = None
-        self.logs = []
+        self.logs.clear()
 
 
 class NonFiniteFlags:
