@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -70,6 +72,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks import hf
+from benchmarks.kernels import KernelWindow
 from benchmarks.report import write_records_markdown
 from benchmarks.run import environment as suite_environment
 from benchmarks.variants import CONFIGS, Result, _model_and_data, peak_memory, pytorch_variant, timing_trainer
@@ -88,6 +91,8 @@ WARMUP_STEPS = 3
 #: ``to_step_s`` is taken at the end of this step: the warmup, the capture step and one step after it.
 LATENCY_STEPS = WARMUP_STEPS + 2
 PARITY_STEPS = 100
+#: The kernel profile of a package variant: this many steps, ending this many steps before the timed ones.
+KERNEL_STEPS, KERNEL_GAP = 10, 5
 
 #: The variants, in the order they run and appear.
 VARIANTS = (
@@ -306,6 +311,9 @@ def measure_lightning(
     clock = CompileClock(min(PARITY_STEPS, steps), LATENCY_STEPS)
     # The clock comes first: at its batch start, the package has done all of the previous step and none of this one.
     callbacks: list[pl.Callback] = [clock]
+    window = kernel_window(variant, skip)
+    if window is not None:
+        callbacks.append(window)
     if callback_options is not None:
         callbacks.append(CUDAGraphCallback(**callback_options))
     strategy: Any = "auto" if strategy_options is None else CUDAGraphStrategy(**strategy_options)
@@ -317,7 +325,18 @@ def measure_lightning(
     losses = torch.stack(clock.losses).float().tolist() if clock.losses else []
     graph = graph_callback(trainer)
     report = None if graph is None else report_figures(graph.report)
-    return figures(result, report, clock.milestones.as_dict()), losses
+    out = figures(result, report, clock.milestones.as_dict())
+    out["host_ms"] = clock.host_median_ms(skip)
+    out["kernels"] = None if window is None else window.summary
+    return out, losses
+
+
+def kernel_window(variant: str, skip: int) -> KernelWindow | None:
+    """The kernel profile of a package variant, on graphs and before the timed steps (``None``: no room for it)."""
+    start = skip - KERNEL_GAP - KERNEL_STEPS
+    if variant not in PACKAGE_VARIANTS or start < LATENCY_STEPS:
+        return None
+    return KernelWindow(start, KERNEL_STEPS)
 
 
 def graph_callback(trainer: pl.Trainer) -> CUDAGraphCallback | None:
@@ -397,11 +416,20 @@ class CompileClock(hf.LossClock):
     def __init__(self, parity_steps: int, latency_steps: int) -> None:
         super().__init__(parity_steps)
         self.milestones = Milestones(latency_steps)
+        self.host_starts: list[float] = []
         self._graph: CUDAGraphCallback | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.milestones.steps_done(len(self.events), self._replayed(trainer))
+        self.host_starts.append(time.perf_counter())
         super().on_train_batch_start(trainer, pl_module, batch, idx)
+
+    def host_median_ms(self, skip: int) -> float | None:
+        """The median host time between batch starts from step ``skip`` on: equal to the step time where the host
+        paces the step (or waits for the GPU), below it where the host runs ahead."""
+        starts = self.host_starts[skip:]
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(starts)]
+        return round(statistics.median(gaps), 4) if gaps else None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.milestones.steps_done(len(self.events), self._replayed(trainer))
@@ -494,7 +522,9 @@ def ratios(results: list[dict[str, Any]], precision: str) -> list[dict[str, Any]
         One entry per comparison: ``variant``; ``reference``; ``ratio`` (ms of the reference over ms of the variant,
         ``None`` where either was not measured); ``goal`` (``None`` without one); ``met`` (``None`` without a goal or
         a ratio); ``why``: for a side not measured, its note, and for a package variant that did not stay on
-        graphs, why.
+        graphs, why; ``needed_ms``: the step the goal asks of the variant; ``floor_ms``: the variant's kernel time
+        that ``compile=`` leaves as it is (:mod:`benchmarks.kernels`); ``reachable``: whether ``needed_ms`` is at
+        least that floor (``None`` where either is not known).
     """
     by_name = {r["variant"]: r for r in results}
     entries = []
@@ -510,8 +540,21 @@ def ratios(results: list[dict[str, Any]], precision: str) -> list[dict[str, Any]
                 why.append(f"{name}: {graphs_off(side)}")
         least = goal_for(goal, precision)
         met = None if least is None or ratio is None else ratio >= least
+        floor = ((sides[0] or {}).get("kernels") or {}).get("floor_ms")
+        needed = None if least is None or ms[1] is None else round(ms[1] / least, 4)
+        reachable = None if floor is None or needed is None else needed >= floor
         entries.append(
-            {"variant": variant, "reference": reference, "ratio": ratio, "goal": least, "met": met, "why": why}
+            {
+                "variant": variant,
+                "reference": reference,
+                "ratio": ratio,
+                "goal": least,
+                "met": met,
+                "why": why,
+                "needed_ms": needed,
+                "floor_ms": floor,
+                "reachable": reachable,
+            }
         )
     return entries
 
@@ -538,6 +581,11 @@ def ratio_line(entry: dict[str, Any]) -> str:
         verdict = "n/a" if entry["met"] is None else ("goal met" if entry["met"] else "goal missed")
         goal = f" (goal >= {entry['goal']:.2f}x: {verdict})"
     why = f"; {'; '.join(entry['why'])}" if entry["why"] else ""
+    if entry.get("reachable") is False:
+        why += (
+            f"; out of reach by compiling: the goal needs at most {entry['needed_ms']:.2f} ms/step, and the variant's"
+            f" GEMM, attention and optimizer kernels alone take {entry['floor_ms']:.2f} ms"
+        )
     return f"{_label(entry['variant'])} vs {_label(entry['reference'])}: {ratio}{goal}{why}"
 
 
@@ -588,9 +636,9 @@ def section(record: dict[str, Any]) -> str:
 def table(results: list[dict[str, Any]], latency_steps: int, skip: int) -> str:
     """The variants of one model: ms/step, speedup, stage, compile time, milestones, memory, loss and notes."""
     header = (
-        f"| variant | ms/step | vs eager | stage | compile s | first step s | to graphs s | {latency_steps} steps s"
-        " | peak MiB | final loss | loss parity | note |\n"
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
+        f"| variant | ms/step | host ms | kernel ms (floor) | vs eager | stage | compile s | first step s | to graphs s"
+        f" | {latency_steps} steps s | peak MiB | final loss | loss parity | note |\n"
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
     )
     rows = []
     for result in results:
@@ -605,9 +653,12 @@ def table(results: list[dict[str, Any]], latency_steps: int, skip: int) -> str:
         if result.get("graphs_from_step") is not None:
             to_graphs += f" ({result['graphs_from_step']})"
         speedup = result.get("speedup")
+        kernels = result.get("kernels") or {}
         cells = [
             _label(result["variant"]),
             _num(result["median_ms"], 2),
+            _num(result.get("host_ms"), 2),
+            f"{kernels['kernel_ms']:.2f} ({kernels['floor_ms']:.2f})" if kernels else "",
             "n/a" if speedup is None else f"{speedup:.2f}x",
             stage,
             compile_s,

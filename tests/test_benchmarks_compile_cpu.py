@@ -297,6 +297,8 @@ def _results():
             to_step_s=30.0,
             to_graphs_s=29.0,
             graphs_from_step=4,
+            host_ms=2.0,
+            kernels={"kernel_ms": 5.5, "floor_ms": 5.2},
         ),
         _result("layer", 12.0, _report(compile_s=0.0)),
         _result(
@@ -341,12 +343,41 @@ def test_ratios_say_why_a_side_is_missing_or_off_graphs():
     assert alone[0]["why"] == ["full_iteration+compile: failed: RuntimeError: boom", "full_iteration: not measured"]
 
 
+def test_a_goal_below_the_kernels_compile_leaves_is_out_of_reach():
+    bf16 = {(e["variant"], e["reference"]): e for e in bench.ratios(_results(), "bf16-mixed")}
+    full = bf16["full_iteration+compile", "full_iteration"]  # 1.8x of 9 ms needs 5 ms: below the 5.2 ms floor
+    assert (full["needed_ms"], full["floor_ms"], full["reachable"], full["met"]) == (5.0, 5.2, False, False)
+    assert bench.ratio_line(full).endswith(
+        "goal missed); out of reach by compiling: the goal needs at most 5.00 ms/step, and the variant's GEMM,"
+        " attention and optimizer kernels alone take 5.20 ms"
+    )
+    reduce_overhead = bf16["full_iteration+compile", "compile_reduce_overhead"]  # 15 / 2.5 = 6 ms: above the floor
+    assert (reduce_overhead["needed_ms"], reduce_overhead["reachable"]) == (6.0, True)
+    assert "out of reach" not in bench.ratio_line(reduce_overhead)
+    layer = bf16["layer+compile", "layer"]  # not profiled
+    assert (layer["floor_ms"], layer["reachable"]) == (None, None)
+    hand = bf16["full_iteration+compile", "pytorch_full_graph"]  # no goal
+    assert (hand["needed_ms"], hand["reachable"]) == (None, None)
+
+
+def test_host_time_between_batch_starts_and_the_kernel_window_of_a_variant():
+    clock = bench.CompileClock(parity_steps=2, latency_steps=5)
+    clock.host_starts = [0.0, 0.001, 0.003, 0.004, 0.006]
+    assert clock.host_median_ms(0) == pytest.approx(1.5)  # gaps of 1, 2, 1, 2 ms
+    assert clock.host_median_ms(1) == pytest.approx(2.0)  # from step 1 on: 2, 1, 2 ms
+    assert clock.host_median_ms(4) is None
+    window = bench.kernel_window("full_iteration+compile", skip=100)
+    assert (window.start, window.steps) == (100 - bench.KERNEL_GAP - bench.KERNEL_STEPS, bench.KERNEL_STEPS)
+    assert bench.kernel_window("eager", skip=100) is None  # only the package's variants are profiled
+    assert bench.kernel_window("layer", skip=bench.LATENCY_STEPS + bench.KERNEL_GAP) is None  # no room before timing
+
+
 def test_ratio_lines():
     entries = bench.ratios(_results(), "bf16-mixed")
     lines = [bench.ratio_line(e) for e in entries]
-    assert lines[0] == (
+    assert lines[0].startswith(
         '`strategy="cudagraph_full"` + `compile=True` vs `strategy="cudagraph_full"`: 1.50x'
-        " (goal >= 1.80x: goal missed)"
+        " (goal >= 1.80x: goal missed); out of reach by compiling"
     )
     assert lines[1].endswith('vs `torch.compile(mode="reduce-overhead")`: 2.50x (goal >= 2.50x: goal met)')
     assert lines[2].endswith("vs Thunder: n/a (goal >= 1.25x: n/a); thunder: skipped: Thunder is not installed")
@@ -401,14 +432,18 @@ def test_markdown_has_tables_ratios_environment_and_charts(tmp_path):
     assert "6 layers, width 256, 4 heads, sequence 128, batch 8, vocabulary 1024" in text
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert "| 5 steps s |" in rows["| variant"]
-    assert rows["| eager Lightning"].startswith("| eager Lightning | 30.00 | 1.00x |  | n/a | 1.00 |  | 2.00 | 100 |")
+    assert "| host ms | kernel ms (floor) |" in rows["| variant"]
+    assert rows["| eager Lightning"].startswith(
+        "| eager Lightning | 30.00 | n/a |  | 1.00x |  | n/a | 1.00 |  | 2.00 | 100 |"
+    )
     assert rows['| `strategy="cudagraph_full"` + `compile=True`'].startswith(
-        '| `strategy="cudagraph_full"` + `compile=True` | 6.00 | 5.00x | replaying | 25.0 | 1.00 | 29.00 (4) | 30.00 |'
+        '| `strategy="cudagraph_full"` + `compile=True` | 6.00 | 2.00 | 5.50 (5.20) | 5.00x | replaying | 25.0 | 1.00 |'
+        " 29.00 (4) | 30.00 |"
     )
     assert "1 recompile(s)" in rows['| `strategy="cudagraph_full"` + `compile=True`']
-    assert '| `torch.compile(mode="reduce-overhead")` | 15.00 | 2.00x |  | 40.0 *1st* |' in text
+    assert '| `torch.compile(mode="reduce-overhead")` | 15.00 | n/a |  | 2.00x |  | 40.0 *1st* |' in text
     assert "rolled back: capture_failed: RuntimeError: x \\| y" in rows['| `scope=["layer"]` + `compile=True`']
-    assert rows["| Thunder"].startswith("| Thunder | n/a | n/a |  | n/a |")
+    assert rows["| Thunder"].startswith("| Thunder | n/a | n/a |  | n/a |  | n/a |")
     assert rows["| Thunder"].endswith("| skipped: Thunder is not installed |")
     assert text.count("(goal >= 1.30x: goal met)") == 1  # 32-true
     assert text.count("(goal >= 1.80x: goal missed)") == 1  # bf16-mixed
