@@ -108,23 +108,22 @@ class StepLogs:
             return
         trainer = module.trainer
         results = trainer._results
-        direct = (
-            len(self._feeds) == len(self.calls)
-            and type(module).log is pl.LightningModule.log
-            and not trainer._logger_connector.should_reset_tensors(_TRAINING_STEP)
+        if len(self._feeds) != len(self.calls):
+            self._feeds = [None] * len(self.calls)
+        direct = type(module).log is pl.LightningModule.log and not trainer._logger_connector.should_reset_tensors(
+            _TRAINING_STEP
         )
         previous = module._current_fx_name
         module._current_fx_name = _TRAINING_STEP
         try:
             for index, (name, value, args, kwargs) in enumerate(self.calls):
-                feed = self._feeds[index] if direct else None
-                if feed is not None and feed.name == name and results.get(feed.key) is feed.metric:
+                feed = self._feeds[index]
+                if direct and feed is not None and feed.name == name and results.get(feed.key) is feed.metric:
                     batch_size = results._extract_batch_size(feed.metric, feed.batch_size, feed.metric.meta)
                     results.update_metrics(feed.key, value.detach(), batch_size)
-                    continue
-                module.log(name, value, *args, **kwargs)
-                self._feeds[index:] = [_feed(module, results, (name, value, args, kwargs))]
-                direct = False  # the feeds after this one are rebuilt as their calls run
+                else:
+                    module.log(name, value, *args, **kwargs)
+                    self._feeds[index] = _feed(module, results, (name, value, args, kwargs))
         finally:
             module._current_fx_name = previous
         trainer._logger_connector._current_fx = _TRAINING_STEP

@@ -63,9 +63,9 @@ class ManyLogs(DecoderModule):
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
         self.log("train_loss", loss, prog_bar=True)
+        self.log("constant", 1.5)  # a number between tensors: the tensors around it still go direct
         self.log("loss_epoch", loss, on_step=False, on_epoch=True)
         self.log("double_sum", loss * 2, on_step=True, on_epoch=True, reduce_fx="sum", batch_size=3)
-        self.log("constant", 1.5)
         return loss
 
 
