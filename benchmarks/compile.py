@@ -19,9 +19,13 @@ each trained from the same seed on the same batches, one process, ``torch.compil
 Every variant is timed the same way: a CUDA event at every batch start, read once at the end (no host sync per step);
 the figure is the median of the distances between batch starts over the last ``--timed`` of ``--steps`` steps.
 
-Per variant also: the speedup over eager Lightning; the package's report (stage, level, reason, ``compile_s``,
-``recompiles``, captures, replays, fallbacks, rollbacks, pool MiB, capture ms); peak memory; the final loss; loss
-parity (the largest per-step difference from eager Lightning's loss over the first 100 steps); and three wall-clock
+Per variant also: the speedup over eager Lightning; the median host ms between batch starts over the same steps
+(equal to the step time where the host paces the step); for the package's variants, a kernel profile of 10 steps
+ending 5 steps before the timed ones (:mod:`benchmarks.kernels`: kernel ms per step and the floor ``compile=`` leaves
+as it is, with which a ratio goal that needs a shorter step is marked out of reach); the package's report (stage,
+level, reason, ``compile_s``, ``recompiles``, captures, replays, fallbacks, rollbacks, pool MiB, capture ms); peak
+memory; the final loss; loss parity (the largest per-step difference from eager Lightning's loss over the first 100
+steps); and three wall-clock
 milestones of the Lightning variants, each taken with one host sync at that point only (never inside the timed steps).
 The end of step ``n`` is read at the start of step ``n + 1`` (after Lightning fetched that batch, before any callback
 of the package ran for it) or at the end of training:
@@ -612,7 +616,11 @@ def section(record: dict[str, Any]) -> str:
             f"{config['n_layer']} layers, width {config['width']}, {config['heads']} heads, sequence"
             f" {config['seq_len']}, batch {config['batch_size']}, vocabulary {config['vocab_size']}, AdamW;"
             f" `warmup_steps={record['warmup_steps']}`. Median ms per step over the last {record['timed']} of"
-            f" {record['steps']} steps (CUDA events between batch starts, no host sync per step). *compile s*: the"
+            f" {record['steps']} steps (CUDA events between batch starts, no host sync per step). *host ms*: the"
+            " median host time between batch starts over the same steps (the step time where the host paces it)."
+            " *kernel ms (floor)*: the package's variants, from a 10-step profile before the timed steps: GPU kernel"
+            " time per step and, in brackets, its GEMM, attention and optimizer kernels, which `compile=` leaves as"
+            " they are. *compile s*: the"
             " package's report for its variants; for reduce-overhead and Thunder, the wall time of the first step"
             " (marked *1st*)."
             " *first step s*: wall time of step 1. *to graphs s*: from the call of `trainer.fit` to the end of the"

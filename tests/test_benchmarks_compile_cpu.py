@@ -433,6 +433,7 @@ def test_markdown_has_tables_ratios_environment_and_charts(tmp_path):
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert "| 5 steps s |" in rows["| variant"]
     assert "| host ms | kernel ms (floor) |" in rows["| variant"]
+    assert text.count("GEMM, attention and optimizer kernels, which `compile=` leaves as they are") == 2
     assert rows["| eager Lightning"].startswith(
         "| eager Lightning | 30.00 | n/a |  | 1.00x |  | n/a | 1.00 |  | 2.00 | 100 |"
     )
