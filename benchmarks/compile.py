@@ -58,11 +58,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -420,20 +418,11 @@ class CompileClock(hf.LossClock):
     def __init__(self, parity_steps: int, latency_steps: int) -> None:
         super().__init__(parity_steps)
         self.milestones = Milestones(latency_steps)
-        self.host_starts: list[float] = []
         self._graph: CUDAGraphCallback | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.milestones.steps_done(len(self.events), self._replayed(trainer))
-        self.host_starts.append(time.perf_counter())
         super().on_train_batch_start(trainer, pl_module, batch, idx)
-
-    def host_median_ms(self, skip: int) -> float | None:
-        """The median host time between batch starts from step ``skip`` on: equal to the step time where the host
-        paces the step (or waits for the GPU), below it where the host runs ahead."""
-        starts = self.host_starts[skip:]
-        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(starts)]
-        return round(statistics.median(gaps), 4) if gaps else None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.milestones.steps_done(len(self.events), self._replayed(trainer))

@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks.run import environment
-from benchmarks.variants import CONFIGS, _model_and_data, module_class, timing_trainer
+from benchmarks.variants import CONFIGS, StepClock, _model_and_data, module_class, timing_trainer
 from lightning_cudagraph import CUDAGraphStrategy
 
 NEEDS_CUDA = "benchmarks/logging_cost.py measures CUDA graphs and needs a CUDA GPU; none is visible here."
@@ -74,27 +73,6 @@ def through_log(module: type[pl.LightningModule]) -> type[pl.LightningModule]:
     return type(f"{module.__name__}ThroughLog", (module,), {"log": log})
 
 
-class HostAndDeviceClock(pl.Callback):
-    """A CUDA event and the host time at every batch start."""
-
-    def __init__(self) -> None:
-        self.events: list[torch.cuda.Event] = []
-        self.host: list[float] = []
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
-        self.host.append(time.perf_counter())
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.events.append(event)
-
-    def medians_ms(self, skip: int) -> tuple[float, float]:
-        """The median device and host ms between batch starts from step ``skip`` on (one sync, at the end)."""
-        self.events[-1].synchronize()
-        device = [a.elapsed_time(b) for a, b in zip(self.events[skip:], self.events[skip + 1 :], strict=False)]
-        host = [(b - a) * 1e3 for a, b in zip(self.host[skip:], self.host[skip + 1 :], strict=False)]
-        return statistics.median(device), statistics.median(host)
-
-
 def measure(case: tuple[str, str, bool], way: str, steps: int, skip: int) -> dict[str, float]:
     """One fit of ``case`` with its logs re-issued ``way``: its median device and host ms per step."""
     torch.compiler.reset()
@@ -104,11 +82,10 @@ def measure(case: tuple[str, str, bool], way: str, steps: int, skip: int) -> dic
     model, data = _model_and_data(CONFIGS[model_name])
     if way == "self.log":
         model.__class__ = through_log(module_class(CONFIGS[model_name]))
-    clock = HostAndDeviceClock()
+    clock = StepClock()
     strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP_STEPS, compile=compiled)
-    timing_trainer(steps + 1, [clock], strategy, precision).fit(model, data)
-    device_ms, host_ms = clock.medians_ms(skip)
-    return {"ms": round(device_ms, 4), "host_ms": round(host_ms, 4)}
+    timing_trainer(steps, [clock], strategy, precision).fit(model, data)
+    return {"ms": round(statistics.median(clock.step_times(skip)), 4), "host_ms": clock.host_median_ms(skip)}
 
 
 def fastest(rounds: list[dict[str, float]]) -> dict[str, Any]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -91,16 +93,25 @@ def timing_trainer(
 
 
 class StepClock(pl.Callback):
-    """CUDA events at every training batch start; read once at the end."""
+    """CUDA events (read once at the end) and the host's clock at every training batch start."""
 
     def __init__(self) -> None:
         self.events: list[torch.cuda.Event] = []
+        self.host_starts: list[float] = []
         self.last_loss: torch.Tensor | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.host_starts.append(time.perf_counter())
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self.events.append(event)
+
+    def host_median_ms(self, skip: int) -> float | None:
+        """The median host time between batch starts from step ``skip`` on: equal to the step time where the host
+        paces the step (or waits for the GPU), below it where the host runs ahead (``None``: fewer than 2 starts)."""
+        starts = self.host_starts[skip:]
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(starts)]
+        return round(statistics.median(gaps), 4) if gaps else None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.last_loss = outputs["loss"]
