@@ -66,7 +66,15 @@ class ManyLogs(DecoderModule):
         self.log("constant", 1.5)  # a number between tensors: the tensors around it still go direct
         self.log("loss_epoch", loss, on_step=False, on_epoch=True)
         self.log("double_sum", loss * 2, on_step=True, on_epoch=True, reduce_fx="sum", batch_size=3)
+        self.log("graph_kept", loss, enable_graph=True)  # Lightning does not detach it: always through self.log
         return loss
+
+
+class Silent(DecoderModule):
+    """A ``training_step`` that logs nothing."""
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
 
 
 class OwnLog(DecoderModule):
@@ -128,8 +136,17 @@ def test_replayed_steps_log_every_kind_of_call_as_eager_training_does_across_epo
         assert got == pytest.approx(want, abs=1e-5)
     # Tensors go through self.log in the eager warmup, on the first replay and on each epoch's first step; a number
     # goes through it on every step.
-    assert eager_calls == dict.fromkeys(["train_loss", "loss_epoch", "double_sum", "constant"], steps)
-    assert through_log == {**dict.fromkeys(["train_loss", "loss_epoch", "double_sum"], WARMUP + 2), "constant": steps}
+    assert eager_calls == dict.fromkeys(["train_loss", "loss_epoch", "double_sum", "constant", "graph_kept"], steps)
+    assert through_log == {
+        **dict.fromkeys(["train_loss", "loss_epoch", "double_sum"], WARMUP + 2),
+        **dict.fromkeys(["constant", "graph_kept"], steps),
+    }
+
+
+def test_a_training_step_that_logs_nothing_replays_and_logs_nothing(tmp_path):
+    run = fit(*decoder(TINY, Silent), STEPS, strategy=whole_step(), default_root_dir=tmp_path, **CPU)
+    assert graph_callback(run.trainer).report.replays == STEPS - WARMUP
+    assert not [key for key in run.trainer.logged_metrics if not key.startswith("cudagraph/")]
 
 
 def test_a_module_that_overrides_log_has_it_called_for_every_replayed_step(tmp_path):
