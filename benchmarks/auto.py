@@ -53,7 +53,7 @@ import torch
 from benchmarks import hf
 from benchmarks.report import write_records_markdown
 from benchmarks.run import environment as suite_environment
-from benchmarks.variants import CONFIGS, Result, model_args, module_class, peak_memory, timing_trainer
+from benchmarks.variants import CONFIGS, Result, least, model_args, module_class, peak_memory, timing_trainer
 from examples.gpt import TokenDataModule
 from examples.hf_causal_lm import INSTALL, HFCausalLM
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphReport
@@ -221,7 +221,7 @@ def fastest_round(fits: list[dict[str, Any]]) -> dict[str, Any]:
     20.9 ms/step in the three rounds of one run, while eager Lightning stayed at 27.3-27.8 ms).
     """
     return {
-        **_least(fits, "median_ms"),
+        **least(fits, "median_ms"),
         "round_ms": [fit["median_ms"] for fit in fits],
         "round_levels": [level_reached(fit) for fit in fits],
     }
@@ -321,13 +321,7 @@ def measure_cost(model: str, precision: str, steps: int) -> dict[str, Any]:
 def fastest_fit(fits: list[dict[str, Any]]) -> dict[str, Any]:
     """The fit with the shortest wall time (a failed one only if every one failed), with the shortest climb of all."""
     climbs = [fit["climb_s"] for fit in fits if fit["wall_s"] is not None and fit.get("climb_s") is not None]
-    return {**_least(fits, "wall_s"), "climb_s": min(climbs, default=None)}
-
-
-def _least(fits: list[dict[str, Any]], figure: str) -> dict[str, Any]:
-    """The fit with the least ``figure`` among those that have it (the first fit where none has)."""
-    measured = [fit for fit in fits if fit[figure] is not None]
-    return min(measured, key=lambda fit: fit[figure]) if measured else fits[0]
+    return {**least(fits, "wall_s"), "climb_s": min(climbs, default=None)}
 
 
 class ClimbMark(pl.Callback):

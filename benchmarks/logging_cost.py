@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks.run import environment
-from benchmarks.variants import CONFIGS, StepClock, _model_and_data, module_class, timing_trainer
+from benchmarks.variants import CONFIGS, StepClock, _model_and_data, least, module_class, timing_trainer
 from lightning_cudagraph import CUDAGraphStrategy
 
 NEEDS_CUDA = "benchmarks/logging_cost.py measures CUDA graphs and needs a CUDA GPU; none is visible here."
@@ -90,8 +90,7 @@ def measure(case: tuple[str, str, bool], way: str, steps: int, skip: int) -> dic
 
 def fastest(rounds: list[dict[str, float]]) -> dict[str, Any]:
     """The round with the least ms, with every round's ms."""
-    best = min(rounds, key=lambda r: r["ms"])
-    return {**best, "round_ms": [r["ms"] for r in rounds]}
+    return {**least(rounds, "ms"), "round_ms": [r["ms"] for r in rounds]}
 
 
 def case_name(case: tuple[str, str, bool]) -> str:

@@ -92,6 +92,17 @@ def timing_trainer(
     )
 
 
+def least(fits: list[dict[str, Any]], figure: str) -> dict[str, Any]:
+    """The fit with the least ``figure`` among those that have it (the first fit where none has).
+
+    Example:
+        >>> least([{"ms": None}, {"ms": 2.0}, {"ms": 1.5}], "ms")
+        {'ms': 1.5}
+    """
+    measured = [fit for fit in fits if fit[figure] is not None]
+    return min(measured, key=lambda fit: fit[figure]) if measured else fits[0]
+
+
 class StepClock(pl.Callback):
     """CUDA events (read once at the end) and the host's clock at every training batch start."""
 
