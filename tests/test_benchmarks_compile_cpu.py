@@ -42,6 +42,7 @@ def test_says_it_needs_cuda_and_exits_2(tmp_path):
         (["--out", "x", "--precisions", "32-true,16-mixed"], "--precisions: unknown precision(s) 16-mixed"),
         (["--out", "x", "--precisions", ""], "--precisions: unknown precision(s) (none given)"),
         (["--steps", "20"], "--out"),
+        (["--out", "x", "--rounds", "0"], "--rounds must be at least 1 (got 0)"),
     ],
 )
 def test_bad_arguments_are_refused(argv, message, capsys):
@@ -53,7 +54,7 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 
 def test_defaults_time_the_last_60_of_160_steps(capsys):
     args = bench.parse_args(["--out", "x"])
-    assert (args.steps, args.timed, args.out) == (160, 60, "x")
+    assert (args.steps, args.timed, args.rounds, args.out) == (160, 60, 2, "x")
     assert args.models == ["small", "medium"]
     assert args.precisions == ["32-true", "bf16-mixed"]
     assert "note:" not in capsys.readouterr().out
@@ -347,6 +348,7 @@ def test_a_goal_below_the_kernels_compile_leaves_is_out_of_reach():
     bf16 = {(e["variant"], e["reference"]): e for e in bench.ratios(_results(), "bf16-mixed")}
     full = bf16["full_iteration+compile", "full_iteration"]  # 1.8x of 9 ms needs 5 ms: below the 5.2 ms floor
     assert (full["needed_ms"], full["floor_ms"], full["reachable"], full["met"]) == (5.0, 5.2, False, False)
+    assert full["limit"] == "floor"
     assert bench.ratio_line(full).endswith(
         "goal missed); out of reach by compiling: the goal needs at most 5.00 ms/step, and the variant's GEMM,"
         " attention and optimizer kernels alone take 5.20 ms"
@@ -358,6 +360,75 @@ def test_a_goal_below_the_kernels_compile_leaves_is_out_of_reach():
     assert (layer["floor_ms"], layer["reachable"]) == (None, None)
     hand = bf16["full_iteration+compile", "pytorch_full_graph"]  # no goal
     assert (hand["needed_ms"], hand["reachable"]) == (None, None)
+
+
+def test_a_missed_goal_names_what_alone_takes_longer_than_the_step_it_needs():
+    results = _results()
+    by_name = {r["variant"]: r for r in results}
+    by_name["full_iteration+compile"]["kernels"] = {"kernel_ms": 5.5, "floor_ms": 4.0}
+    by_name["layer+compile"].update(report=_report(), host_ms=10.9, kernels={"kernel_ms": 3.0, "floor_ms": 2.0})
+    bf16 = {(e["variant"], e["reference"]): e for e in bench.ratios(results, "bf16-mixed")}
+    full = bf16["full_iteration+compile", "full_iteration"]  # 1.8x of 9 ms needs 5 ms: the floor fits, the kernels not
+    assert (full["met"], full["limit"]) == (False, "kernels")
+    assert bench.ratio_line(full).endswith(
+        "goal missed); bounded by the compiled kernels: the goal needs at most 5.00 ms/step, and the variant's kernels"
+        " take 5.50 ms (its GEMM, attention and optimizer kernels 4.00 ms)"
+    )
+    layer = bf16["layer+compile", "layer"]  # 1.2x of 12 ms needs 10 ms; 3 ms of kernels, 10.9 ms of host work
+    assert (layer["met"], layer["limit"]) == (False, "host")
+    assert bench.ratio_line(layer).endswith(
+        "paced by the host: the goal needs at most 10.00 ms/step, and the variant's host takes 10.90 ms a step (its"
+        " kernels 3.00 ms), which compiling does not shorten"
+    )
+    assert bf16["full_iteration+compile", "compile_reduce_overhead"]["limit"] is None  # met: nothing to name
+    by_name["layer+compile"]["host_ms"] = 9.0  # nothing measured takes longer than 10 ms: no limit is named
+    layer = {(e["variant"], e["reference"]): e for e in bench.ratios(results, "bf16-mixed")}["layer+compile", "layer"]
+    assert (layer["met"], layer["limit"]) == (False, None)
+    assert bench.ratio_line(layer).endswith("goal missed)")
+
+
+def test_the_hardest_limit_is_named_first():
+    assert bench.limit_of(needed_ms=5.0, floor_ms=5.2, kernel_ms=6.0, host_ms=7.0) == "floor"
+    assert bench.limit_of(needed_ms=5.0, floor_ms=4.0, kernel_ms=6.0, host_ms=7.0) == "kernels"
+    assert bench.limit_of(needed_ms=5.0, floor_ms=None, kernel_ms=4.0, host_ms=7.0) == "host"
+    assert bench.limit_of(needed_ms=5.0, floor_ms=None, kernel_ms=None, host_ms=7.0) is None  # GPU time unknown
+    assert bench.limit_of(needed_ms=None, floor_ms=5.2, kernel_ms=6.0, host_ms=7.0) is None
+
+
+def test_variants_alternate_round_by_round_and_the_fastest_fit_counts(monkeypatch):
+    order, host_speed = [], iter([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0])
+
+    def run_variant(variant, config, precision, steps, skip):  # the second round's first half ran on a fast host
+        order.append(variant)
+        ms = {"eager": 30.0, "full_iteration": 9.0}.get(variant, 12.0) * next(host_speed)
+        fit = len([v for v in order if v == variant])
+        result = _result(variant, ms, first_step_s=10.0 / fit, to_step_s=20.0 / fit)
+        return result, [3.0, 2.0 + fit]  # the losses of a round: the first round's are kept
+
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    measured = bench.measure_model("small", "bf16-mixed", steps=20, skip=10, rounds=2)
+    assert order == [*bench.VARIANTS, *bench.VARIANTS]
+    by_name = {r["variant"]: r for r in measured["results"]}
+    eager, full = by_name["eager"], by_name["full_iteration"]
+    assert (eager["median_ms"], eager["round_ms"]) == (15.0, [30.0, 15.0])
+    assert (full["median_ms"], full["round_ms"]) == (4.5, [9.0, 4.5])
+    assert by_name["thunder"]["round_ms"] == [12.0, 24.0] and by_name["thunder"]["median_ms"] == 12.0
+    # Time to steady state is the first fit's (inductor's caches cold), whichever fit was fastest.
+    assert (full["first_step_s"], full["to_step_s"]) == (10.0, 20.0)
+    assert full["loss_max_abs_diff"] == 0.0  # both sides' first-round losses
+    full_vs = {(e["variant"], e["reference"]): e for e in measured["ratios"]}[
+        "full_iteration+compile", "full_iteration"
+    ]
+    assert full_vs["ratio"] == pytest.approx(4.5 / 6.0)  # fastest against fastest
+
+
+def test_the_rounds_column_lists_every_fit():
+    results = _results()
+    results[0]["round_ms"] = [30.0, 29.5]
+    rows = bench.table(results, latency_steps=5, skip=10).splitlines()
+    assert rows[0].endswith("| note | rounds ms |")
+    assert rows[2].endswith("| 30.00 / 29.50 |")
+    assert rows[3].endswith("|  |")  # a record from before rounds: the cell stays empty
 
 
 def test_host_time_between_batch_starts_and_the_kernel_window_of_a_variant():
@@ -445,7 +516,7 @@ def test_markdown_has_tables_ratios_environment_and_charts(tmp_path):
     assert '| `torch.compile(mode="reduce-overhead")` | 15.00 | n/a |  | 2.00x |  | 40.0 *1st* |' in text
     assert "rolled back: capture_failed: RuntimeError: x \\| y" in rows['| `scope=["layer"]` + `compile=True`']
     assert rows["| Thunder"].startswith("| Thunder | n/a | n/a |  | n/a |  | n/a |")
-    assert rows["| Thunder"].endswith("| skipped: Thunder is not installed |")
+    assert rows["| Thunder"].endswith("| skipped: Thunder is not installed |  |")
     assert text.count("(goal >= 1.30x: goal met)") == 1  # 32-true
     assert text.count("(goal >= 1.80x: goal missed)") == 1  # bf16-mixed
     assert "- Thunder" not in text
@@ -469,8 +540,8 @@ def test_chart_is_a_png_or_a_note(tmp_path, monkeypatch):
 def test_main_writes_a_record_per_precision_and_the_markdown(tmp_path, monkeypatch, capsys):
     calls = []
 
-    def measure_model(model, precision, steps, skip):
-        calls.append((model, precision, steps, skip))
+    def measure_model(model, precision, steps, skip, rounds):
+        calls.append((model, precision, steps, skip, rounds))
         return _record(precision)["models"]["small"]
 
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
@@ -478,11 +549,12 @@ def test_main_writes_a_record_per_precision_and_the_markdown(tmp_path, monkeypat
     monkeypatch.setattr(bench, "measure_model", measure_model)
     monkeypatch.setattr(bench, "draw_chart_or_note", lambda record, out: {"chart": None, "chart_note": "off"})
     out = tmp_path / "out"
-    argv = ["--out", str(out), "--models", "small", "--steps", "20", "--timed", "10"]
+    argv = ["--out", str(out), "--models", "small", "--steps", "20", "--timed", "10", "--rounds", "3"]
     assert bench.main(argv) == 0
-    assert calls == [("small", "32-true", 20, 10), ("small", "bf16-mixed", 20, 10)]
+    assert calls == [("small", "32-true", 20, 10, 3), ("small", "bf16-mixed", 20, 10, 3)]
     record = json.loads((out / "compile_bf16-mixed.json").read_text())
     assert (record["kind"], record["steps"], record["timed"], record["parity_steps"]) == ("compile", 20, 10, 20)
+    assert record["rounds"] == 3
     assert record["models"]["small"]["ratios"][0]["goal"] == 1.8
     assert (out / "compile_32-true.json").exists()
     assert "## GPT small, bf16-mixed" in (out / bench.MARKDOWN).read_text()
