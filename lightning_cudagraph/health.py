@@ -47,7 +47,13 @@ class LevelRecord:
 
 
 class Stage(IntEnum):
-    """Where the rollout is; logged as ``cudagraph/stage``."""
+    """Where the rollout is; logged as ``cudagraph/stage`` (its number), so a dashboard shows it rise to 2.
+
+    Example:
+        >>> from lightning_cudagraph import Stage
+        >>> [(stage.name, int(stage)) for stage in Stage]
+        [('DISABLED', -1), ('WARMUP', 0), ('CONFIRMING', 1), ('REPLAYING', 2)]
+    """
 
     DISABLED = -1  #: rolled back, or never enabled (see the report's ``reason``)
     WARMUP = 0  #: eager steps that record input signatures and the eager step time
@@ -90,6 +96,22 @@ class CUDAGraphReport:
         capture_ms_total: Host time of every capture of the fit, summed (the ladder's captures included).
         compile_s: With ``compile=``: seconds torch.compile spent compiling in this fit (recompiles included).
         recompiles: With ``compile=``: compilations after the first capture (a guard failed on an eager path).
+
+    Example:
+        A fit on a CPU: graphs are off, the report says why, and training ran eagerly.
+
+        >>> import lightning.pytorch as pl
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> from lightning_cudagraph import CUDAGraphCallback
+        >>> callback = CUDAGraphCallback(scope=["mlp"], modules={"mlp": "layer"})  # BoringModel's one Linear
+        >>> trainer = pl.Trainer(
+        ...     accelerator="cpu", max_steps=2, callbacks=[callback], logger=False, enable_checkpointing=False,
+        ...     enable_progress_bar=False, enable_model_summary=False,
+        ... )
+        >>> trainer.fit(BoringModel())
+        >>> report = callback.report
+        >>> report.stage.name, report.reason, report.replays, report.graphs
+        ('DISABLED', 'no_cuda', 0, 0)
     """
 
     stage: Stage = Stage.WARMUP
