@@ -343,13 +343,18 @@ def test_a_submodule_the_user_compiled_with_inductor_graphs_is_refused_when_grap
     assert report.stage == Stage.DISABLED and report.reason.startswith("invalid_configuration")
 
 
-def test_inductor_graphs_switched_on_globally_are_refused(monkeypatch):
+def test_inductor_graphs_switched_on_globally_are_refused():
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.triton, "cudagraphs", True)
-    with pytest.raises(ValueError, match="graphs in graphs") as error:
+    # torch's own patch restores the option by assignment; pytest >= 9.2's monkeypatch deletes an attribute it did
+    # not find in the target's __dict__, which hides the option from every later reader.
+    with (
+        inductor_config.patch({"triton.cudagraphs": True}),
+        pytest.raises(ValueError, match="graphs in graphs") as error,
+    ):
         trainer(4, [graphed()], **CPU).fit(*decoder(TINY))
     assert_refused(error, "CUDAGraphCallback", "triton.cudagraphs is on", "set it off")
+    assert inductor_config.triton.cudagraphs is False, "the option is back to its default for later tests"
 
 
 def test_a_submodule_compiled_in_place_with_reduce_overhead_is_refused():
