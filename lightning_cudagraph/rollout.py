@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph import preflight
@@ -31,10 +30,18 @@ from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
-from lightning_cudagraph.health import LEVEL_NUMBERS, CUDAGraphReport, Stage, StepTimer, log_to_loggers, median
+from lightning_cudagraph.health import (
+    CUDAGraphReport,
+    ProgressBarItems,
+    Stage,
+    StepTimer,
+    log_through_lightning,
+    log_to_loggers,
+    median,
+)
 from lightning_cudagraph.ladder import Rung, build_rungs, replacement_parts
 from lightning_cudagraph.scopes import ScopeResolution, Target, candidate_names, resolve_scopes
-from lightning_cudagraph.signature import batch_key
+from lightning_cudagraph.batches import batch_key, opaque_reason
 from lightning_cudagraph.stages import StageMachine
 
 
@@ -200,7 +207,9 @@ class Rollout:
         if self._compiled_modules is not None:
             self._compiled_modules.active = self.active  # compiled for training steps only (not evaluation)
         if self.active and isinstance(self.driver, ScopedDriver):
-            self.driver.begin_step(trainer.global_step, batch_key(batch), trainer.accumulate_grad_batches > 1)
+            key = batch_key(batch)
+            opaque = opaque_reason(batch) if key is None else ""
+            self.driver.begin_step(trainer.global_step, key, trainer.accumulate_grad_batches > 1, opaque)
         self._timer.start()
         if self.climb is not None:
             self.climb.step_started()
@@ -306,33 +315,66 @@ class Rollout:
         (self.report.eager_step_ms,) = self.machine.agreement.slowest(median(times))
 
     def _maybe_log(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Once per ``log_every_n_steps`` (and when the Trainer stops): health checks, step times, metrics, the bar."""
         step = trainer.global_step
         if step == self._last_logged or (step % max(trainer.log_every_n_steps, 1) and not trainer.should_stop):
             return
         self._last_logged = step
         if self.driver is not None:
             self.driver.health_check(step)
-        self.flush(trainer, step)
-        if trainer.progress_bar_callback is not None:
-            bar = {"cudagraph/stage": float(self.stage)}
-            if self.climb is not None:
-                bar["cudagraph/level"] = float(LEVEL_NUMBERS.get(self.report.level or "", 0))
-            if not math.isnan(self.report.speedup):
-                bar["cudagraph/speedup"] = round(self.report.speedup, 2)
-            module.log_dict({k: torch.tensor(v) for k, v in bar.items()}, prog_bar=True, logger=False)
+        metrics = self._interval_metrics()
+        if self._logs_metrics(trainer):
+            # One log_dict, from on_train_batch_end: the rows Lightning writes for the user's metrics at this step.
+            log_through_lightning(module, metrics)
+        if self.driver is not None:
+            self._bar.show_on(trainer.progress_bar_callback)
 
-    def flush(self, trainer: pl.Trainer, step: int | None = None) -> None:
-        """Read step times and send the metrics to the Trainer's loggers (once per step)."""
-        if step is None:
-            if trainer.global_step == self._last_logged:
-                return
-            self._last_logged = step = trainer.global_step
+    def flush(self, trainer: pl.Trainer) -> None:
+        """At ``on_train_end``: take the stage off the bar; log a last interval that Lightning's cadence did not write.
+
+        Lightning refuses ``self.log`` in ``on_train_end``, so those metrics go to the loggers directly (rank zero),
+        at the step Lightning would have used. Nothing is written when the last step was a logging step.
+        """
+        self._bar.remove()
+        step = trainer.global_step
+        if step == self._last_logged:
+            return
+        self._last_logged = step
+        metrics = self._interval_metrics()
+        if self._logs_metrics(trainer):
+            log_to_loggers(trainer, metrics, step=max(step - 1, 0))
+
+    def _interval_metrics(self) -> dict[str, float]:
+        """Read the interval's step times (one host sync on CUDA, none per step) and return the report's metrics."""
         times = self._timer.read()
         if self.stage == Stage.WARMUP and not self._eager_noted:
             self._eager_times.extend(times)
         elif times:
             self.report.step_ms = median(times)
-        log_to_loggers(trainer, self.report.metrics(), step=max(step - 1, 0))
+        return self.report.metrics()
+
+    def _logs_metrics(self, trainer: pl.Trainer) -> bool:
+        """Whether ``cudagraph/*`` metrics are logged in this fit.
+
+        Not when graphs were off before training began (``no_cuda``, ``impl_none``, ``no_targets``: no driver was
+        made): every figure would be a zero that means nothing, so a fit without graphs logs what it would log
+        without the package (``callback.report`` and the warning say why). Not with ``log_every_n_steps=0`` either.
+        """
+        return self.driver is not None and trainer.log_every_n_steps > 0
+
+    @functools.cached_property
+    def _bar(self) -> ProgressBarItems:
+        """The ``graphs`` item of the progress bar (shown only once a driver exists: nothing when graphs are off)."""
+        return ProgressBarItems(self._bar_items)
+
+    def _bar_items(self) -> dict[str, str]:
+        """``graphs=replaying``: the stage by name, the level under ``scope="auto"``, the speedup once measured."""
+        shown = self.stage.label
+        if self.climb is not None and self.report.level:
+            shown += f" {self.report.level}"
+        if not math.isnan(self.report.speedup):
+            shown += f" {self.report.speedup:.2f}x"
+        return {"graphs": shown}
 
     @contextlib.contextmanager
     def _refusals_disable(self) -> Iterator[None]:

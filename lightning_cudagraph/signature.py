@@ -139,18 +139,6 @@ def describe_change(old: CallSignature, new: CallSignature) -> str:
     return "; ".join(changes) if changes else "no change"
 
 
-def batch_key(batch: Any) -> tuple[Any, ...]:
-    """A hashable key of a batch's tensor shapes and dtypes (values and non-tensor leaves are ignored)."""
-    leaves, spec = pytree.tree_flatten(batch)
-    specs = tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, Tensor) else None for leaf in leaves)
-    return (str(spec), specs)
-
-
-def describe_batch_key(key: tuple[Any, ...]) -> str:
-    """A readable form of :func:`batch_key`, e.g. ``int64[8, 128], int64[8, 128]``."""
-    return ", ".join(f"{str(s[1]).removeprefix('torch.')}{list(s[0])}" for s in key[1] if s is not None)
-
-
 def _same_leaf(a: Any, b: Any) -> bool:
     if isinstance(a, TensorSpec) or isinstance(b, TensorSpec):
         return a == b

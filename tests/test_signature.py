@@ -5,9 +5,7 @@ import torch
 import torch.nn as nn
 
 from lightning_cudagraph.signature import (
-    batch_key,
     call_signature,
-    describe_batch_key,
     describe_change,
     distinct_tensors,
     positional_key,
@@ -167,24 +165,3 @@ def test_fast_key_is_none_for_calls_that_need_the_full_signature(linear, make_ca
     assert call_signature(linear, args, kwargs).positional_key is None
     if not kwargs:
         assert positional_key(args) is None
-
-
-def test_batch_key_depends_on_shapes_and_dtypes_not_values():
-    batch = {"input_ids": torch.randint(0, 10, (8, 16)), "labels": torch.randint(0, 10, (8, 16)), "step": 3}
-    same_shapes = {
-        "input_ids": torch.zeros(8, 16, dtype=torch.int64),
-        "labels": torch.ones(8, 16, dtype=torch.int64),
-        "step": 4,
-    }
-    shorter = {
-        "input_ids": torch.zeros(8, 12, dtype=torch.int64),
-        "labels": torch.zeros(8, 12, dtype=torch.int64),
-        "step": 3,
-    }
-    as_int32 = {key: value.int() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    assert batch_key(batch) == batch_key(same_shapes)
-    assert hash(batch_key(batch)) == hash(batch_key(same_shapes))
-    assert batch_key(batch) != batch_key(shorter)
-    assert batch_key(batch) != batch_key(as_int32)
-    assert batch_key((torch.zeros(2),)) != batch_key([torch.zeros(2)])
-    assert describe_batch_key(batch_key(shorter)) == "int64[8, 12], int64[8, 12]"

@@ -26,7 +26,7 @@ from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.drivers.whole_step import NonFiniteFlags, WholeStep
 from lightning_cudagraph.graphs.backend import PreparedOptimizer
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.signature import batch_key, describe_batch_key
+from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason, own_copy
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,20 @@ class FullStepDriver(Driver):
         self._plan = None
         if not self.machine.graphs_allowed:
             return batch
-        key = batch_key(batch)
+        key = batch_key(batch, values=True)  # a graph bakes in the batch's non-tensor values too
+        in_use = self.machine.stage != Stage.WARMUP
+        if key is None:  # no key could tell this batch's graph: it runs eagerly, or graphs are off, with the reason
+            if in_use:
+                self._plan = EagerStep(fallback=f"opaque_batch: {opaque_reason(batch)}")
+            else:
+                self.machine.disable("opaque_batch", detail=opaque_reason(batch))
+            return batch
         whole = self.steps.get(key)
         if whole is not None:
             self._plan = ReplayStep(key)
             return whole.stage(batch)
         captured = ", ".join(describe_batch_key(k) for k in self.steps.shapes())
         change = f"batch shape {describe_batch_key(key)} differs from the captured {captured}"
-        in_use = self.machine.stage != Stage.WARMUP
         if in_use:
             if not self.steps.admits(key):
                 raise self.steps.sealed_error(key)
@@ -110,9 +116,11 @@ class FullStepDriver(Driver):
             return batch
         if not in_use and not self.machine.warmup_was_finite():
             return batch
-        # This (already on-device) batch becomes the static buffers of the step about to be captured.
-        self._plan = CaptureStep(key, WholeStep(static_batch=batch, confirm_left=self.config.confirm_steps))
-        return batch
+        # A copy of this batch becomes the static buffers of the step about to be captured: later batches are copied
+        # into it, so it must never be the user's own tensors (a dataset on the device would be overwritten).
+        whole = WholeStep(static_batch=own_copy(batch), confirm_left=self.config.confirm_steps)
+        self._plan = CaptureStep(key, whole)
+        return whole.static_batch
 
     # ------------------------------------------------------------------ carrying it out (``optimizer_step``)
     def run(

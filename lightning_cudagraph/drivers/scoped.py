@@ -28,7 +28,7 @@ from lightning_cudagraph.health import Stage
 from lightning_cudagraph.hooks import inner_hook_count
 from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
 from lightning_cudagraph.scopes import Target
-from lightning_cudagraph.signature import describe_batch_key
+from lightning_cudagraph.batches import describe_batch_key
 
 #: Relative parity tolerances when ``parity_tol`` is not given: full precision, and under autocast.
 DEFAULT_PARITY_TOL = 1e-4
@@ -84,8 +84,18 @@ class ScopedDriver(Driver):
         self.forwards.install()
 
     # ------------------------------------------------------------------ a training batch
-    def begin_step(self, step: int, batch: tuple[Any, ...], accumulating: bool) -> None:
-        """Decide what this batch does with the targets: replay, record, capture, or fall back."""
+    def begin_step(self, step: int, batch: tuple[Any, ...] | None, accumulating: bool, opaque: str = "") -> None:
+        """Decide what this batch does with the targets: replay, record, capture, or fall back.
+
+        ``batch`` is the batch's key; ``None`` for a batch the package cannot see into (``opaque`` says why): its
+        step runs eagerly, counted, or graphs are off when no graph exists yet.
+        """
+        if batch is None:
+            if self.machine.stage == Stage.WARMUP:
+                self.machine.disable("opaque_batch", detail=opaque)
+            else:
+                self.router.begin(StepRoute(fallback_reason=f"opaque_batch: {opaque}"))
+            return
         graph_set = self.graph_sets.get(batch)
         if graph_set is None:
             graph_set = self._graph_set_for(batch)

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._lightning import StepLogs
+from lightning_cudagraph.batches import copy_into
 from lightning_cudagraph.graphs.backend import StepGraph
 
 
@@ -18,7 +19,8 @@ class WholeStep:
     """One captured training step for one batch signature.
 
     Attributes:
-        static_batch: The batch the graph reads; each step's batch is copied into it.
+        static_batch: The batch the graph reads (the package's own tensors, never the user's); each step's batch is
+            copied into it.
         graph: The captured step, once captured.
         output: ``training_step`` 's output as captured (static tensors the replays rewrite).
         logs: The ``self.log`` calls ``training_step`` made while captured, re-issued after each replay.
@@ -33,9 +35,7 @@ class WholeStep:
 
     def stage(self, batch: Any) -> Any:
         """Copy ``batch`` into the static buffers and return them (no host sync)."""
-        for buffer, value in zip(pytree.tree_leaves(self.static_batch), pytree.tree_leaves(batch), strict=True):
-            if isinstance(buffer, Tensor):
-                buffer.copy_(value, non_blocking=True)
+        copy_into(self.static_batch, batch)
         return self.static_batch
 
     def output_copy(self) -> Any:
