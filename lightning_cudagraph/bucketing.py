@@ -9,6 +9,7 @@ The model handles padding as usual (an attention mask, ``-100`` labels the loss 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,20 +72,38 @@ class PadToBucket:
             raise config_error(
                 "PadToBucket", "buckets/multiple", (buckets, multiple), "exactly one of them", "pass buckets=[...]"
             )
+        if buckets is not None and not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets):
+            raise config_error(
+                "PadToBucket",
+                "buckets",
+                buckets,
+                "increasing positive integer lengths",
+                f"pass whole lengths, e.g. {[_whole(b) for b in buckets]!r} (a tensor is padded to a whole length)",
+            )
         if buckets is not None and (not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1):
             raise config_error(
                 "PadToBucket", "buckets", buckets, "increasing positive lengths", "pass e.g. [64, 128, 256]"
             )
         if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
             raise config_error("PadToBucket", "multiple", multiple, "a positive integer", "pass e.g. multiple=64")
+        for key in pad_values or {}:
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise config_error(
+                    "PadToBucket",
+                    "pad_values",
+                    dict(pad_values or {}),
+                    "keys that are field names (mapping samples) or positions (sequence samples)",
+                    "pass e.g. pad_values={'labels': -100} or pad_values={1: -100}",
+                )
         self.buckets = list(buckets) if buckets is not None else None
         self.multiple = multiple
         self.pad_values = dict(pad_values or {})
 
     def __call__(self, samples: Sequence[Any]) -> Any:
-        """Pad and stack ``samples``."""
+        """Pad and stack ``samples``; a ``pad_values`` key that names no field of them is refused."""
         first = samples[0]
         fields = list(first) if isinstance(first, Mapping) else list(range(len(first)))
+        self._check_pad_keys(first, fields)
         longest = max(_length(sample[name]) for sample in samples for name in fields)
         length = bucket_length(longest, self.buckets, self.multiple)
         padded = {name: torch.stack([self._pad(sample[name], name, length) for sample in samples]) for name in fields}
@@ -96,6 +115,30 @@ class PadToBucket:
             return tensor
         filler = tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), self.pad_values.get(name, 0))
         return torch.cat([tensor, filler])
+
+    def _check_pad_keys(self, first: Any, fields: list[Any]) -> None:
+        unknown = [key for key in self.pad_values if key not in fields]
+        if not unknown:
+            return
+        if isinstance(first, Mapping):
+            allowed, fix = f"keys of the samples: {fields}", "use the samples' own keys"
+        else:
+            allowed = f"positions 0 to {len(fields) - 1} of the {type(first).__name__} samples"
+            named = [key for key in unknown if isinstance(key, str)]
+            fix = (
+                f"samples are {type(first).__name__}s, so fields are positions: pass e.g. pad_values={{1: -100}} for"
+                f" the second element (with {named[0]!r} as a key every field would be padded with 0)"
+                if named
+                else "pass positions the samples have"
+            )
+        raise config_error("PadToBucket", "pad_values", self.pad_values, allowed, fix)
+
+
+def _whole(value: Any) -> Any:
+    try:
+        return math.ceil(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _length(value: Any) -> int:

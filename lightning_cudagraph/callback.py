@@ -8,16 +8,25 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_cudagraph.config import CUDAGraphConfig, config_error, takes_graph_options
+from lightning_cudagraph.config import (
+    CUDAGraphConfig,
+    Verbatim,
+    config_error,
+    documents_graph_options,
+    takes_graph_options,
+)
 from lightning_cudagraph.environment import ensure_graph_safe_allocator
 from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.graphs.cuda import CUDABackend
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.rollout import Rollout
 
 
+@documents_graph_options
 class CUDAGraphCallback(Callback):
     r"""Train with CUDA graphs, rolled out in stages so a graph is trusted only once it is shown to be right.
 
@@ -39,32 +48,11 @@ class CUDAGraphCallback(Callback):
         The same figures, the levels tried, and the reasons behind fallbacks, exclusions and rollbacks are in
         :attr:`report`.
 
+    One per Trainer: a second ``CUDAGraphCallback`` is refused (the strategies add one only when there is none).
+
     Args:
-        impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
-            ``"none"`` (everything off).
-        scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer`` and, with one of the package's
-            strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from
-            ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of
-            ``modules``. ``full_iteration`` captures the whole training step and needs
-            :class:`~lightning_cudagraph.CUDAGraphStrategy`.
-        warmup_steps: Eager optimizer steps before capture (at least one step always runs eagerly).
-        modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on
-            qualified module names (``"blocks.*.attn"``), an ``nn.Module`` subclass, or a predicate
-            ``(name, module) -> bool``; or a list of these.
-        on_shape_change: What a batch of another shape does once graphs exist: ``"eager"`` (that step runs eagerly,
-            counted), ``"recapture"`` (the shape gets its own eager step, capture and confirmation; the
-            ``max_graphs`` least recently used graph sets are kept, others evicted and captured again when their
-            shape returns) or ``"error"``. Pad batches to a few lengths (:mod:`lightning_cudagraph.bucketing`).
-        on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
-        max_graphs: Most graph sets (batch shapes) held with ``on_shape_change="recapture"`` (at least 2; 4 when
-            not given). Only with ``"recapture"``: the other policies keep one graph set.
-        confirm_steps: Steps after capture that are checked before the graphs are trusted.
-        parity_tol: Largest relative difference allowed between graphed and eager forwards, at most 0.25 (above
-            that the check could not tell a wrong graph from a right one); by default 1e-4 in float32, 2e-2 under
-            autocast and 0.125 under FP8.
-        max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
-        seal_after_steps: From this optimizer step on, the set of batch shapes is closed: a shape without graphs
-            raises, naming it and the captured shapes (``None``: never; :meth:`seal` closes it by hand).
+        **options: Every option of the package, described once in
+            :data:`~lightning_cudagraph.config.OPTION_DOCS` (written here at import).
 
     Raises:
         ValueError: On an option or combination that cannot work, naming the value, what is allowed and the fix.
@@ -79,21 +67,34 @@ class CUDAGraphCallback(Callback):
         <Stage.WARMUP: 0>
     """
 
-    #: The capture backend for the next fit; ``None`` uses CUDA on a CUDA device. A test double or another
-    #: accelerator's backend (:class:`~lightning_cudagraph.graphs.backend.CaptureBackend`) can be set here.
-    capture_backend: CaptureBackend | None = None
-
     @takes_graph_options
     def __init__(self, config: CUDAGraphConfig) -> None:
         self.config = config
         #: Named in messages and errors: this class, or the strategy that added the callback.
         self.component = type(self).__name__
+        self._capture_backend: CaptureBackend | None = None
         if config.enabled:
             ensure_graph_safe_allocator(self.component)
         self.rollout = Rollout(config, self.component)
 
+    @property
+    def capture_backend(self) -> CaptureBackend | None:
+        """The capture backend for the next fit; ``None`` uses CUDA on a CUDA device (and graphs off elsewhere).
+
+        A test double or another accelerator's backend (a
+        :class:`~lightning_cudagraph.graphs.backend.CaptureBackend` instance) can be set here; it is checked when set.
+        """
+        return self._capture_backend
+
+    @capture_backend.setter
+    def capture_backend(self, backend: CaptureBackend | None) -> None:
+        self._capture_backend = checked_capture_backend(self.component, backend)
+
     def seal(self, self_check: bool = True) -> None:
         """Close the set of batch shapes now: from the next step on, a shape without graphs raises.
+
+        Called before the first capture (during the eager warmup steps), it closes the set to the shape that warmup
+        captures: that shape is still captured when warmup ends, and any other shape raises.
 
         Args:
             self_check: Confirm every captured shape once more on its next step (scoped graphs: a graphed forward
@@ -179,14 +180,51 @@ class CUDAGraphCallback(Callback):
         self.rollout.report.load_state_dict(state_dict.get("report", {}))
 
 
+def checked_capture_backend(component: str, backend: Any) -> CaptureBackend | None:
+    """``capture_backend`` as set on the callback or a strategy: ``None`` or a backend instance for its device."""
+    if backend is None or (isinstance(backend, CaptureBackend) and not _cuda_backend_off_cuda(backend)):
+        return backend
+    allowed = "None (CUDA on a CUDA device, graphs off elsewhere) or a CaptureBackend instance"
+    if isinstance(backend, type) and issubclass(backend, CaptureBackend):
+        fix = f"pass an instance, not the class: capture_backend = {backend.__name__}(...)"
+    elif isinstance(backend, CaptureBackend):
+        fix = (
+            "CUDABackend captures on a CUDA device: build it with CUDABackend(torch.device('cuda', 0)), or leave"
+            " capture_backend=None (the package builds it for the Trainer's device)"
+        )
+    else:
+        fix = (
+            "leave it None (the package picks CUDA on a CUDA device), or set an instance of a"
+            " lightning_cudagraph.graphs.backend.CaptureBackend subclass"
+        )
+    if isinstance(backend, CaptureBackend):
+        shown: Any = Verbatim(f"{type(backend).__name__}(device={backend.device!r})")
+    else:
+        shown = backend if isinstance(backend, (str, type)) else Verbatim(repr(backend))
+    raise config_error(component, "capture_backend", shown, allowed, fix)
+
+
+def _cuda_backend_off_cuda(backend: CaptureBackend) -> bool:
+    return isinstance(backend, CUDABackend) and torch.device(backend.device).type != "cuda"
+
+
 def _refuse_a_second_callback(trainer: pl.Trainer, callback: CUDAGraphCallback) -> None:
     """Two rollouts on one Trainer would patch the same forwards and fight over the stream: refuse it."""
-    others = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback) and cb is not callback]
-    if others:
+    refuse_more_than_one(trainer.callbacks, callback)
+
+
+def refuse_more_than_one(callbacks: list[Any], callback: CUDAGraphCallback) -> None:
+    """Raise the package's refusal when ``callbacks`` holds more than one CUDAGraphCallback."""
+    graphs = [cb for cb in callbacks if isinstance(cb, CUDAGraphCallback)]
+    if len(graphs) > 1:
+        given = ", ".join(f"CUDAGraphCallback(scope={list(cb.config.scope)!r})" for cb in graphs)
+        scopes = list(dict.fromkeys(s for cb in graphs for s in cb.config.scope if s != "auto"))
+        single = f"CUDAGraphCallback(scope={scopes!r})" if scopes else "CUDAGraphCallback()"
         raise config_error(
             type(callback).__name__,
             "Trainer(callbacks=...)",
-            f"{len(others) + 1} CUDAGraphCallbacks",
-            "one CUDAGraphCallback per Trainer (a cudagraph strategy adds one when there is none)",
-            "pass a single CUDAGraphCallback with every scope in its scope list, e.g. scope=['attn', 'mlp']",
+            Verbatim(f"[{given}]"),
+            f"one CUDAGraphCallback per Trainer ({len(graphs)} CUDAGraphCallbacks given; a cudagraph strategy adds"
+            " one when there is none)",
+            f"pass a single CUDAGraphCallback with every scope in its scope list: Trainer(callbacks=[{single}])",
         )

@@ -8,9 +8,14 @@ Each rule raises ``ValueError`` (component, value, allowed values, fix). The Tra
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -22,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 
 from lightning_cudagraph._lightning import anomaly_detection_on
 from lightning_cudagraph.compiling import inductor_graphs_in
-from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig, config_error
+from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig, Verbatim, config_error
 from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
 from lightning_cudagraph.hooks import hooked_modules
 from lightning_cudagraph.scopes import Target, resolve_scopes
@@ -36,6 +41,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
     """Strategy, precision and loop settings that graphs cannot work with."""
     _check_strategy(config, trainer, component)
     _check_precision(config, trainer, component)
+    _check_seal(config, trainer, component)
     _check_compile(config, trainer, module, component)
     if anomaly_detection_on(trainer):
         raise config_error(
@@ -121,20 +127,61 @@ def check_full_iteration_hooks(config: CUDAGraphConfig, module: pl.LightningModu
 
 
 def check_targets(targets: Sequence[Target], component: str) -> None:
-    """Refuse activation checkpointing inside a captured region (its recompute would replay into the graph)."""
+    """Refuse activation checkpointing inside a captured region (its recompute would replay into the graph).
+
+    Found three ways: a checkpoint wrapper module, a ``gradient_checkpointing`` flag (Hugging Face), or a
+    ``forward`` whose code calls ``torch.utils.checkpoint`` (read from its code object, so comments and strings do
+    not count).
+    """
     for target in targets:
         for name, module in target.module.named_modules():
             wrapped = type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module")
-            if wrapped or getattr(module, "gradient_checkpointing", False) is True:
+            functional = forward_calls_checkpoint(type(module))
+            if wrapped or functional or getattr(module, "gradient_checkpointing", False) is True:
                 where = f"{target.name}.{name}" if name else target.name
+                how = f" ({type(module).__name__}.forward calls torch.utils.checkpoint)" if functional else ""
                 raise config_error(
                     component,
                     "scope",
                     target.scope,
                     "regions without activation checkpointing",
-                    f"{where} uses activation checkpointing; turn it off for captured modules, or pick a scope"
+                    f"{where} uses activation checkpointing{how}; turn it off for captured modules, or pick a scope"
                     " that does not contain it",
                 )
+
+
+_CHECKPOINT_FUNCTIONS = (torch.utils.checkpoint.checkpoint, torch.utils.checkpoint.checkpoint_sequential)
+
+
+@functools.cache
+def forward_calls_checkpoint(cls: type[nn.Module]) -> bool:
+    """Whether ``cls.forward`` (or a function nested in it) refers to ``torch.utils.checkpoint``'s functions.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> class Block(nn.Module):
+        ...     def forward(self, x):
+        ...         return checkpoint(lambda y: y * 2, x, use_reentrant=False)
+        >>> forward_calls_checkpoint(Block), forward_calls_checkpoint(nn.Linear)
+        (True, False)
+    """
+    forward = inspect.unwrap(getattr(cls, "forward", None))
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    stack = [code] if code is not None else []
+    while stack:
+        code = stack.pop()
+        stack.extend(const for const in code.co_consts if inspect.iscode(const))
+        names = set(code.co_names)
+        for name in names:
+            value = namespace.get(name)
+            if any(value is fn for fn in _CHECKPOINT_FUNCTIONS):
+                return True
+            if value is torch.utils.checkpoint and names & {"checkpoint", "checkpoint_sequential"}:
+                return True
+            if value is torch and {"utils", "checkpoint"} <= names:
+                return True
+    return False
 
 
 def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
@@ -176,16 +223,16 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
         why = "CPU offloading moves parameters between host and device" if offload else "parameters move or reshard"
         raise config_error(
             component,
-            "strategy",
-            type(strategy).__name__,
+            "Trainer(strategy=...)",
+            Verbatim(f"{type(strategy).__name__}(...)"),
             "a single-device or DDP strategy (e.g. 'cudagraph', 'ddp_cudagraph')",
             f"{why} between steps, so a graph would read stale addresses; use DDP, or turn CUDA graphs off",
         )
     if config.full_iteration and not getattr(strategy, "supports_full_iteration", False):
         raise config_error(
             component,
-            "strategy",
-            type(strategy).__name__,
+            "Trainer(strategy=...)",
+            Verbatim(f"{type(strategy).__name__}(...)"),
             "CUDAGraphStrategy or DDPCUDAGraphStrategy with scope=['full_iteration']",
             "pass Trainer(strategy='cudagraph_full') (or 'ddp_cudagraph_full'): the whole-step graph needs the"
             " strategy's batch and optimizer-step hooks",
@@ -210,12 +257,25 @@ def ddp_warmup_error(component: str, warmup_steps: int) -> ValueError:
     )
 
 
+def _check_seal(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+    max_steps = trainer.max_steps
+    if config.seal_after_steps is not None and max_steps is not None and 0 <= max_steps < config.seal_after_steps:
+        raise config_error(
+            component,
+            "seal_after_steps",
+            config.seal_after_steps,
+            f"at most Trainer(max_steps={max_steps}), or None",
+            f"the fit ends before step {config.seal_after_steps}, so the set of shapes would never be sealed; pass"
+            f" seal_after_steps={max_steps} or less, or None (no seal)",
+        )
+
+
 def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
     plugin = trainer.precision_plugin
     if type(plugin) is not Precision and not isinstance(plugin, _SUPPORTED_PRECISION):
         raise config_error(
             component,
-            "precision",
+            "Trainer(precision=...)",
             getattr(plugin, "precision", type(plugin).__name__),
             "'32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true', 'transformer-engine'",
             "pick one of those precisions",

@@ -20,6 +20,7 @@ asked for) resolves to the outer one, so every region of the model is captured b
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -199,10 +200,12 @@ def resolve_scopes(
     overrides = overrides or {}
     sites = _sites(model)
     requested = [s for s in scope if s != FULL_ITERATION]
-    resolution = _resolve(sites, requested, overrides)
+    resolution = _resolve(sites, requested, overrides, component)
     for name in requested:
         if resolution.matched.get(name):
             continue
+        if name in overrides:
+            raise _override_matches_nothing(component, model, sites, name, overrides[name])
         if name == "moe_preprocess" and name not in overrides:
             raise config_error(
                 component,
@@ -238,20 +241,51 @@ def resolve_present(
         >>> [t.name for t in resolve_present(model, ["attn", "mamba"]).targets]
         ['blocks.0.attn']
     """
-    resolution = _resolve(_sites(model), scope, overrides or {})
+    resolution = _resolve(_sites(model), scope, overrides or {}, "CUDAGraphCallback")
     resolution.matched = {name: found for name, found in resolution.matched.items() if found}
     return resolution
 
 
 def candidate_names(model: nn.Module, limit: int = 24) -> str:
     """Distinct module name patterns with their classes, indices folded to ``*``, for error messages."""
+    items = [f"{pattern} ({cls})" for pattern, cls in _name_patterns(model).items()]
+    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def _name_patterns(model: nn.Module) -> dict[str, str]:
+    """Each distinct qualified-name pattern (indices folded to ``*``) with the class of its first module."""
     seen: dict[str, str] = {}
     for name, module in model.named_modules():
         if name:
             seen.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", name), type(module).__name__)
-    items = [f"{pattern} ({cls})" for pattern, cls in seen.items()]
-    more = f", ... ({len(items) - limit} more)" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
+    return seen
+
+
+def _override_matches_nothing(
+    component: str, model: nn.Module, sites: list[_Site], name: str, selectors: Sequence[Selector]
+) -> ValueError:
+    """The error for a ``modules=`` entry that finds no module: it names the entry, close names, and the fix."""
+    shown = selectors[0] if len(selectors) == 1 else list(selectors)
+    globs = [s for s in selectors if isinstance(s, str)]
+    close = [m for g in globs for m in difflib.get_close_matches(g, list(_name_patterns(model)), n=3, cutoff=0.5)]
+    suggestion = (
+        f"correct the selector (close names: {', '.join(repr(c) for c in dict.fromkeys(close))})"
+        if close
+        else ("correct the selector")
+    )
+    builtin = BUILTIN_RULES.get(name)
+    found = sum(1 for site in sites if builtin(site)) if builtin is not None else 0
+    drop = (
+        f", or drop the {name!r} key to use the built-in patterns (they find {found} module(s) here)"
+        if builtin is not None
+        else f", or drop {name!r} from scope= and modules="
+    )
+    return ValueError(
+        f"{component}: scope {name!r} matches no module of {type(model).__name__}: its override"
+        f" `modules={{{name!r}: {shown!r}}}` replaces the built-in patterns and finds nothing. Allowed: selectors that"
+        f" match modules of this model; its modules include {candidate_names(model)}. Fix: {suggestion}{drop}."
+    )
 
 
 def _sites(model: nn.Module) -> list[_Site]:
@@ -265,11 +299,13 @@ def _sites(model: nn.Module) -> list[_Site]:
     return sites
 
 
-def _resolve(sites: list[_Site], scopes: Sequence[str], overrides: Mapping[str, Sequence[Selector]]) -> ScopeResolution:
+def _resolve(
+    sites: list[_Site], scopes: Sequence[str], overrides: Mapping[str, Sequence[Selector]], component: str
+) -> ScopeResolution:
     resolution = ScopeResolution()
     owner: dict[str, str] = {}
     for scope in scopes:
-        matches = [site.name for site in sites if _selected(scope, site, overrides)]
+        matches = [site.name for site in sites if _selected(scope, site, overrides, component)]
         resolution.matched[scope] = matches
         for name in matches:
             owner.setdefault(name, scope)
@@ -285,10 +321,23 @@ def _resolve(sites: list[_Site], scopes: Sequence[str], overrides: Mapping[str, 
     return resolution
 
 
-def _selected(scope: str, site: _Site, overrides: Mapping[str, Sequence[Selector]]) -> bool:
-    if scope in overrides:
-        return any(_selector_matches(selector, site.name, site.module) for selector in overrides[scope])
-    return BUILTIN_RULES[scope](site)
+def _selected(scope: str, site: _Site, overrides: Mapping[str, Sequence[Selector]], component: str) -> bool:
+    if scope not in overrides:
+        return BUILTIN_RULES[scope](site)
+    for selector in overrides[scope]:
+        try:
+            if _selector_matches(selector, site.name, site.module):
+                return True
+        except Exception as error:  # a user's predicate: name it, the scope and the module it failed on
+            raise config_error(
+                component,
+                f"modules[{scope!r}]",
+                selector,
+                "a predicate (name, module) -> bool that answers for every module of the model",
+                f"it raised {type(error).__name__}: {error} on module {site.name!r} ({site.cls}); make it return"
+                " False for modules it does not select (e.g. check isinstance(module, ...) first)",
+            ) from error
+    return False
 
 
 def _selector_matches(selector: Selector, name: str, module: nn.Module) -> bool:

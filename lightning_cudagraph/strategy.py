@@ -20,8 +20,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_cudagraph._lightning import single_device_root, trainer_of
-from lightning_cudagraph.callback import CUDAGraphCallback
-from lightning_cudagraph.config import CUDAGraphConfig, config_error, takes_graph_options
+from lightning_cudagraph.callback import CUDAGraphCallback, checked_capture_backend
+from lightning_cudagraph.config import CUDAGraphConfig, config_error, documents_graph_options, takes_graph_options
 from lightning_cudagraph.environment import ensure_graph_safe_allocator
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP, ddp_warmup_error
@@ -32,14 +32,22 @@ class _CUDAGraphStrategyMixin:
     """The graph options and the whole-step override points, shared by the single-device and DDP strategies."""
 
     supports_full_iteration = True
-    #: Handed to the callback this strategy attaches (see :attr:`CUDAGraphCallback.capture_backend`).
-    capture_backend: CaptureBackend | None = None
 
     def _init_graph_options(self, config: CUDAGraphConfig) -> None:
         self.cudagraph_config = config
+        self._capture_backend: CaptureBackend | None = None
         if config.enabled:
             ensure_graph_safe_allocator(type(self).__name__)
         self._callback: CUDAGraphCallback | None = None
+
+    @property
+    def capture_backend(self) -> CaptureBackend | None:
+        """Handed to the callback this strategy attaches (see :attr:`CUDAGraphCallback.capture_backend`)."""
+        return getattr(self, "_capture_backend", None)
+
+    @capture_backend.setter
+    def capture_backend(self, backend: CaptureBackend | None) -> None:
+        self._capture_backend = checked_capture_backend(type(self).__name__, backend)
 
     @property
     def rollout(self) -> Rollout | None:
@@ -98,6 +106,7 @@ class _CUDAGraphStrategyMixin:
             self.rollout.release()
 
 
+@documents_graph_options
 class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
     """Single-device training with CUDA graphs; takes the options of :class:`~lightning_cudagraph.CUDAGraphCallback`.
 
@@ -105,9 +114,8 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
     ``cudagraph_mlp``, ``cudagraph_attn_mlp``, ``cudagraph_layer`` and ``cudagraph_full`` (the whole training step).
 
     Args:
-        config: Stands for the options of :class:`~lightning_cudagraph.CUDAGraphCallback` (``impl``, ``scope``,
-            ``warmup_steps``, ``modules``, ``on_shape_change``, ``on_failure``, ``max_graphs``, ``confirm_steps``,
-            ``parity_tol``, ``max_pool_mib``): the signature lists them first, with their types and defaults.
+        **options: The options of :class:`~lightning_cudagraph.CUDAGraphCallback`, described once in
+            :data:`~lightning_cudagraph.config.OPTION_DOCS` (written here at import).
         device: The device to train on; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
         accelerator: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         checkpoint_io: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
@@ -160,6 +168,7 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
         super().connect(model)
 
 
+@documents_graph_options
 class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
     """DDP training with CUDA graphs (one process per GPU); takes the callback's options plus DDP's.
 
@@ -168,9 +177,8 @@ class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
     warmup steps are required (NCCL's requirement). Registered as ``ddp_cudagraph`` and ``ddp_cudagraph_full``.
 
     Args:
-        config: Stands for the options of :class:`~lightning_cudagraph.CUDAGraphCallback` (``impl``, ``scope``,
-            ``warmup_steps``, ``modules``, ``on_shape_change``, ``on_failure``, ``max_graphs``, ``confirm_steps``,
-            ``parity_tol``, ``max_pool_mib``): the signature lists them first, with their types and defaults.
+        **options: The options of :class:`~lightning_cudagraph.CUDAGraphCallback`, described once in
+            :data:`~lightning_cudagraph.config.OPTION_DOCS` (written here at import).
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Example::

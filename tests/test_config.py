@@ -238,11 +238,11 @@ def test_modules_values_become_tuples_and_define_new_scopes():
 
     config = CUDAGraphConfig.from_options(
         "CUDAGraphCallback",
-        scope=["attn", "head"],
+        scope=["attn", "head", "extra"],
         modules={"attn": "blocks.*.attn", "head": [is_head, nn.Linear], "extra": Attention},
     )
     assert config.modules == {"attn": ("blocks.*.attn",), "head": (is_head, nn.Linear), "extra": (Attention,)}
-    assert config.scope == ("attn", "head")
+    assert config.scope == ("attn", "head", "extra")
 
 
 def test_custom_scope_is_listed_as_allowed_when_another_is_unknown():
