@@ -211,6 +211,7 @@ class Fit:
     wall_s: float = 0.0
     batches_run: int = 0
     ended_on_graphs: bool = False
+    rng_broken: str | None = None
     report: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     refused: bool = False
@@ -274,6 +275,7 @@ def run_fit(entry: Entry, variant: str, initial: Mapping[str, torch.Tensor], set
     """Build ``entry`` afresh, load ``initial``, train it as ``variant``; every exception is caught and recorded."""
     fit = Fit(variant)
     cuda = settings.device == "cuda"
+    rng_state = torch.cuda.get_rng_state() if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -281,6 +283,8 @@ def run_fit(entry: Entry, variant: str, initial: Mapping[str, torch.Tensor], set
         _train(fit, entry, initial, settings)
     finally:
         fit.wall_s = time.perf_counter() - started
+        if rng_state is not None:
+            fit.rng_broken = _repair_cuda_rng(rng_state)
         if cuda:
             with contextlib.suppress(Exception):
                 fit.peak_mib = torch.cuda.max_memory_allocated() / 2**20
@@ -289,6 +293,27 @@ def run_fit(entry: Entry, variant: str, initial: Mapping[str, torch.Tensor], set
             with contextlib.suppress(Exception):
                 torch.cuda.empty_cache()
     return fit
+
+
+def _repair_cuda_rng(state: torch.Tensor) -> str | None:
+    """Whether the fit left the CUDA generator unusable (a failed capture can); if so, restore it for the next fit."""
+    try:
+        torch.randn(1, device="cuda")
+    except Exception as err:
+        with contextlib.suppress(Exception):
+            torch.cuda.set_rng_state(state)
+        return f"{type(err).__name__}: {_first_line(str(err))}"
+    return None
+
+
+def cuda_lost() -> str | None:
+    """Why this process can no longer run CUDA work (a sticky error), or ``None`` while it can."""
+    try:
+        torch.ones(1, device="cuda").add(1).cpu()
+        torch.cuda.synchronize()
+    except Exception as err:
+        return f"{type(err).__name__}: {_first_line(str(err))}"
+    return None
 
 
 def _train(fit: Fit, entry: Entry, initial: Mapping[str, torch.Tensor], settings: Settings) -> None:
@@ -586,6 +611,8 @@ def describe_run(entry: Entry, fit: Fit, eager: Fit, tolerance: Tolerance) -> di
     run: dict[str, Any] = {"variant": fit.variant, "label": VARIANTS.get(fit.variant, fit.variant)}
     diff = compare(fit, eager) if fit.error is None else Diff(math.nan, math.nan, None, math.nan)
     off = tolerance.off(diff, fit.dataset_changed) if fit.error is None else []
+    if fit.rng_broken:
+        off.append("cuda-rng")
     reason = eager_reason(fit.report)
     run["class"] = classify(
         error=fit.error, refused=fit.refused, ended_on_graphs=fit.ended_on_graphs, reason=reason, off=off
@@ -603,6 +630,7 @@ def describe_run(entry: Entry, fit: Fit, eager: Fit, tolerance: Tolerance) -> di
         batch_mismatches=diff.batch_mismatches,
         first_bad_batch=diff.first_bad_batch,
         dataset_changed=fit.dataset_changed,
+        rng_broken=fit.rng_broken,
         batches_run=fit.batches_run,
         peak_mib=_finite(fit.peak_mib),
         wall_s=round(fit.wall_s, 2),
@@ -677,6 +705,8 @@ def markdown(records: Sequence[Mapping[str, Any]], variants: Sequence[str], head
                 extra.append(f"{run['batch_mismatches']} batches differ from #{run['first_bad_batch']}")
             if run["dataset_changed"]:
                 extra.append("dataset overwritten")
+            if run["rng_broken"]:
+                extra.append(f"CUDA RNG left unusable ({run['rng_broken']})")
             note = "; ".join([*extra, run["reason"] or ""]).strip("; ")
             lines.append(
                 f"| {record['entry']} | {run['variant']} | {run['class']} | {_fmt(run['speedup'], 'x')} | "
@@ -807,9 +837,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(sys.orig_argv) if argv is None else shlex.join(["benchmarks/zoo.py", *argv])
     header = header_for(settings, command)
     started = time.perf_counter()
-    records = []
+    records: list[dict[str, Any]] = []
+    lost: str | None = None
     for entry in entries:
+        if lost is not None:  # every later fit would fail for the same reason: say so, and how to run the rest
+            records.append({"entry": entry.name, "patterns": entry.patterns, "runs": [], "skipped": lost})
+            continue
         records.append(run_entry(entry, variants, settings, lambda line: print(line, flush=True)))
+        if settings.device == "cuda" and (why := cuda_lost()) is not None:
+            rest = [e.name for e in entries[entries.index(entry) + 1 :]]
+            lost = f"CUDA unusable after {entry.name} ({why}); rerun with --only {','.join(rest)}"
+            print(f"[zoo] {lost}", flush=True)
     header["elapsed_s"] = round(time.perf_counter() - started, 1)
     text = markdown(records, variants, header)
     print(text)

@@ -378,6 +378,8 @@ def _gpt2(dropout: float) -> nn.Module:
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
     )
     return GPT2LMHeadModel(config)
 
