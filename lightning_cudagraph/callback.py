@@ -5,6 +5,7 @@ Thin Lightning hooks that hand each event to the staged rollout (:mod:`lightning
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -110,6 +111,7 @@ class CUDAGraphCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
+        _refuse_duplicates_in_trainer_init(self)
         return self._generate_state_key(scope=list(self.config.scope), impl=self.config.impl)
 
     @override
@@ -150,8 +152,7 @@ class CUDAGraphCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.rollout.flush(trainer)
-        self.rollout.release()
+        self.rollout.train_end(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -211,6 +212,19 @@ def _cuda_backend_off_cuda(backend: CaptureBackend) -> bool:
 def _refuse_a_second_callback(trainer: pl.Trainer, callback: CUDAGraphCallback) -> None:
     """Two rollouts on one Trainer would patch the same forwards and fight over the stream: refuse it."""
     refuse_more_than_one(trainer.callbacks, callback)
+
+
+def _refuse_duplicates_in_trainer_init(callback: CUDAGraphCallback) -> None:
+    """Refuse two CUDAGraphCallbacks in ``Trainer(...)``, before Lightning's state-key check does less clearly.
+
+    Lightning reads every callback's ``state_key`` in ``Trainer.__init__`` (``_validate_callbacks_list``) and raises
+    a generic ``RuntimeError`` for two equal keys, before any hook of the package runs. When that validator is the
+    reader, its list is checked here first; anywhere else (or if Lightning renames it) this does nothing, and
+    :func:`_refuse_a_second_callback` refuses the second callback at setup.
+    """
+    reader = sys._getframe(2)  # this function <- state_key <- its reader
+    if reader.f_code.co_name == "_validate_callbacks_list":
+        refuse_more_than_one(reader.f_locals.get("callbacks") or [], callback)
 
 
 def refuse_more_than_one(callbacks: list[Any], callback: CUDAGraphCallback) -> None:

@@ -112,6 +112,9 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
 
     Registered names pick the scope as a Trainer flag: ``cudagraph`` (``scope="auto"``), ``cudagraph_attn``,
     ``cudagraph_mlp``, ``cudagraph_attn_mlp``, ``cudagraph_layer`` and ``cudagraph_full`` (the whole training step).
+    LightningCLI reads a registered name as a plain string, so it takes no options there: to change one, give the
+    class with its options, e.g. ``--trainer.strategy=CUDAGraphStrategy --trainer.strategy.scope=[layer]
+    --trainer.strategy.max_pool_mib=512``.
 
     Args:
         **options: The options of :class:`~lightning_cudagraph.CUDAGraphCallback`, described once in

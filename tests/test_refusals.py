@@ -64,12 +64,6 @@ def test_two_different_callbacks_on_one_trainer_are_refused():
     assert_refused(error, "CUDAGraphCallback", "one CUDAGraphCallback per Trainer", "scope=['attn', 'mlp']")
 
 
-def test_two_identical_callbacks_are_refused_by_lightning_at_construction():
-    # Both would save their counters under one checkpoint key: Lightning refuses that before the package can.
-    with pytest.raises(RuntimeError, match="more than one stateful callback of type `CUDAGraphCallback`"):
-        trainer(4, [CUDAGraphCallback(), CUDAGraphCallback()], **CPU)
-
-
 def test_a_modules_override_under_auto_must_take_effect():
     callback = CUDAGraphCallback(modules={"attn": "nowhere.*"})
     with pytest.raises(ValueError, match="CUDAGraphCallback") as error:
