@@ -1,7 +1,9 @@
 """Replay health: counters, step timing without per-step host syncs, the report, and logging.
 
 Counters are plain Python integers bumped on the host. Step times come from CUDA events recorded at batch start
-and end and read once per log interval (one sync per interval, none per step).
+and end and read once per log interval (one sync per interval, none per step). The metrics go through Lightning's
+own ``log_dict`` once per interval, so they share the rows of the user's metrics and appear in
+``trainer.logged_metrics``; the stage is shown by name in the progress bar.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import math
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -59,6 +63,16 @@ class Stage(IntEnum):
     WARMUP = 0  #: eager steps that record input signatures and the eager step time
     CONFIRMING = 1  #: first replays, checked before they are trusted
     REPLAYING = 2  #: steady state
+
+    @property
+    def label(self) -> str:
+        """The stage in a word, as the progress bar shows it.
+
+        Example:
+            >>> [stage.label for stage in Stage]
+            ['off', 'warmup', 'confirming', 'replaying']
+        """
+        return "off" if self is Stage.DISABLED else self.name.lower()
 
 
 @dataclass
@@ -153,6 +167,25 @@ class CUDAGraphReport:
         """Share of the steps since the first capture that ran on graphs (``nan`` before)."""
         total = self.steps_replayed + self.steps_eager
         return self.steps_replayed / total if total else math.nan
+
+    def summary(self) -> str:
+        """One line: whether graphs are on (and if not, why) and the speedup measured.
+
+        Example:
+            >>> CUDAGraphReport(stage=Stage.DISABLED, reason="no_cuda").summary()
+            'CUDA graphs off (no_cuda): trained eagerly'
+            >>> CUDAGraphReport(stage=Stage.REPLAYING, eager_step_ms=3.0, step_ms=2.0, level="layer").summary()
+            'CUDA graphs on (replaying, level layer): speedup 1.50x (eager 3.00 ms/step, graphed 2.00 ms/step)'
+        """
+        if self.stage == Stage.DISABLED:
+            return f"CUDA graphs off ({self.reason}): trained eagerly"
+        if self.stage == Stage.WARMUP:
+            return "CUDA graphs not captured: the fit ended in the eager warmup (raise max_steps or lower warmup_steps)"
+        where = self.stage.label + (f", level {self.level}" if self.level else "")
+        if math.isnan(self.speedup):
+            return f"CUDA graphs on ({where}): speedup not measured yet"
+        timings = f"eager {self.eager_step_ms:.2f} ms/step, graphed {self.step_ms:.2f} ms/step"
+        return f"CUDA graphs on ({where}): speedup {self.speedup:.2f}x ({timings})"
 
     def count_fallback(self, reason: str, count: int = 1) -> None:
         """Count calls or steps that ran eagerly although graphs were in use."""
@@ -259,8 +292,94 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def log_through_lightning(module: pl.LightningModule, metrics: dict[str, float]) -> None:
+    """Log plain floats with one ``log_dict`` from a training-batch hook (``on_train_batch_end``).
+
+    They land in the rows Lightning writes for the user's metrics (every ``log_every_n_steps``, on every logger of the
+    Trainer) and in ``trainer.logged_metrics`` and ``trainer.callback_metrics`` (so a callback can monitor them).
+    Each value becomes a CPU tensor: no copy to the GPU, no host sync.
+    """
+    trainer = module.trainer
+    if not metrics or trainer.barebones:  # barebones: Lightning refuses self.log (with a warning)
+        return
+    values = {key: torch.tensor(value, dtype=torch.float64) for key, value in metrics.items()}
+    module.log_dict(values, on_step=True, on_epoch=False, logger=bool(trainer.loggers))
+
+
 @rank_zero_only
 def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Send plain floats to every logger of the Trainer (TensorBoard, CSV, MLflow, W&B, ...), on rank zero."""
+    """Send plain floats to every logger of the Trainer, on rank zero: for hooks where ``self.log`` is refused.
+
+    ``on_train_end`` is one: the metrics of a last interval that Lightning's own cadence did not write go this way.
+    """
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
+
+
+class ProgressBarItems:
+    """Extra items on a Lightning progress bar: strings too (``self.log(prog_bar=True)`` takes numbers only).
+
+    The bar's ``get_metrics`` is the documented place that decides what it shows; this wraps it on the one bar
+    instance, for one fit, and :meth:`remove` puts back what was there. Items are read at every refresh from plain
+    Python values (no tensor, no host sync).
+
+    Args:
+        items: Returns the items to add, e.g. ``{"graphs": "replaying"}`` (empty: nothing added).
+
+    Example:
+        >>> from lightning.pytorch.callbacks import TQDMProgressBar
+        >>> bar, items = TQDMProgressBar(), ProgressBarItems(lambda: {"graphs": "replaying"})
+        >>> items.show_on(bar)
+        >>> bar.get_metrics.__call__  # doctest: +ELLIPSIS
+        <bound method _WithItems.__call__ of ...>
+        >>> items.remove()
+        >>> "get_metrics" in vars(bar)
+        False
+    """
+
+    def __init__(self, items: Callable[[], dict[str, str]]) -> None:
+        self._items = items
+        self._bar: Any = None
+
+    def show_on(self, bar: Any) -> None:
+        """Add the items to ``bar`` (``trainer.progress_bar_callback``); no-op for ``None`` or the bar shown on."""
+        if bar is None or bar is self._bar:
+            return
+        self.remove()
+        _unwrap(bar)  # items left by a fit that ended on an exception
+        bar.get_metrics = _WithItems(bar.get_metrics, vars(bar).get("get_metrics"), self._items)
+        self._bar = bar
+
+    def remove(self) -> None:
+        """Give the bar back the ``get_metrics`` it had (idempotent)."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            _unwrap(bar)
+
+
+class _WithItems:
+    """A bar's ``get_metrics`` with the package's items added after its own.
+
+    Args:
+        get_metrics: The bar's ``get_metrics`` (bound).
+        replaced: What the bar instance itself held as ``get_metrics`` before (``None``: only its class's method).
+        items: The items to add.
+    """
+
+    def __init__(
+        self, get_metrics: Callable[..., dict[str, Any]], replaced: Any, items: Callable[[], dict[str, str]]
+    ) -> None:
+        self.get_metrics, self.replaced, self.items = get_metrics, replaced, items
+
+    def __call__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        return {**self.get_metrics(trainer, pl_module), **self.items()}
+
+
+def _unwrap(bar: Any) -> None:
+    wrapper = vars(bar).get("get_metrics")
+    if not isinstance(wrapper, _WithItems):
+        return
+    if wrapper.replaced is None:
+        del bar.get_metrics
+    else:
+        bar.get_metrics = wrapper.replaced

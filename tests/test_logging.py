@@ -1,8 +1,9 @@
-"""The graph metrics reach real Lightning loggers (CSV, TensorBoard, MLflow) on short CPU fits.
+"""The graph metrics go through Lightning's own logging, to real loggers (CSV, TensorBoard, MLflow), on CPU fits.
 
-Each fit is 6 optimizer steps with ``log_every_n_steps=2``, so every logger should see three rows of
-``cudagraph/*`` metrics, at the same steps as Lightning's own ``train_loss``, with ``cudagraph/stage == -1``
-(no CUDA on this machine).
+Graphs are on through the fake capture backend (:mod:`tests.fake_backend`), which runs the whole rollout on a CPU.
+Each fit is 6 optimizer steps with ``log_every_n_steps=2``: Lightning writes three rows of the user's metrics, and the
+``cudagraph/*`` metrics must be in those rows, in ``trainer.logged_metrics`` and in ``trainer.callback_metrics``.
+When graphs are off from the start (no CUDA, ``impl="none"``) nothing of the package is logged or shown.
 """
 
 from __future__ import annotations
@@ -15,38 +16,67 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
+from lightning_cudagraph.health import ProgressBarItems
+from tests.fake_backend import FakeBackend
 from tests.helpers import cpu_trainer
 from tests.models import TINY, TINY_DATA, decoder
 
-MAX_STEPS, LOG_EVERY = 6, 2
+MAX_STEPS, LOG_EVERY, WARMUP = 6, 2, 2
 
-#: Metrics that are measured on every machine, so they must be logged on a CPU too.
-CPU_KEYS = (
+#: Metrics logged at every interval once graphs are on (counters and the stage).
+EVERY_ROW = (
     "cudagraph/stage",
     "cudagraph/graphs",
     "cudagraph/replays",
     "cudagraph/fallbacks",
     "cudagraph/rollbacks",
     "cudagraph/pool_mib",
-    "cudagraph/step_ms",
+    "cudagraph/captures",
+    "cudagraph/evictions",
 )
+#: Metrics logged from the interval in which they are first measured (after warmup, capture, confirmation).
+MEASURED = (
+    "cudagraph/step_ms",
+    "cudagraph/eager_step_ms",
+    "cudagraph/speedup",
+    "cudagraph/parity_err",
+    "cudagraph/capture_ms",
+)
+KEYS = EVERY_ROW + MEASURED
 
 #: The metrics read back from a logger: key -> [(step, value)].
 History = dict[str, list[tuple[int, float]]]
 
 
-def fit_with(tmp_path: Path, logger: Logger | list[Logger] | bool, **kwargs: Any) -> tuple[pl.Trainer, Any]:
+def graphed(**options: Any) -> CUDAGraphCallback:
+    """A callback whose captures go to the fake backend: graphs on, on a CPU."""
+    callback = CUDAGraphCallback(**{"scope": ["layer"], "warmup_steps": WARMUP, **options})
+    callback.capture_backend = FakeBackend()
+    return callback
+
+
+def fit_with(
+    tmp_path: Path,
+    logger: Logger | list[Logger] | bool,
+    callback: CUDAGraphCallback | None = None,
+    callbacks: list[pl.Callback] | None = None,
+    **kwargs: Any,
+) -> tuple[pl.Trainer, CUDAGraphCallback]:
     model, data = decoder(TINY, **TINY_DATA)
-    callback = CUDAGraphCallback()
-    trainer = cpu_trainer(
-        tmp_path, MAX_STEPS, [callback], **{"log_every_n_steps": LOG_EVERY, "logger": logger, **kwargs}
-    )
+    callback = callback or graphed()
+    options = {"log_every_n_steps": LOG_EVERY, "logger": logger, "max_steps": MAX_STEPS, **kwargs}
+    trainer = cpu_trainer(tmp_path, options.pop("max_steps"), [callback, *(callbacks or [])], **options)
     trainer.fit(model, datamodule=data)
     return trainer, callback
+
+
+def graph_keys(keys: Any) -> list[str]:
+    return sorted(key for key in keys if key.startswith("cudagraph/"))
 
 
 # =================================================================== loggers and how to read them back
@@ -54,13 +84,17 @@ def csv_logger(tmp_path: Path) -> CSVLogger:
     return CSVLogger(tmp_path, name="csv")
 
 
+def csv_rows(logger: CSVLogger) -> list[dict[str, str]]:
+    with open(Path(logger.log_dir) / "metrics.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
 def read_csv(logger: CSVLogger) -> History:
     history: History = {}
-    with open(Path(logger.log_dir) / "metrics.csv", newline="") as file:
-        for row in csv.DictReader(file):
-            for key, value in row.items():
-                if key not in ("step", "epoch") and value != "":
-                    history.setdefault(key, []).append((int(row["step"]), float(value)))
+    for row in csv_rows(logger):
+        for key, value in row.items():
+            if key not in ("step", "epoch") and value != "":
+                history.setdefault(key, []).append((int(row["step"]), float(value)))
     return history
 
 
@@ -102,31 +136,85 @@ LOGGERS: dict[str, tuple[Callable[[Path], Logger], Callable[[Any], History]]] = 
 }
 
 
+# =================================================================== graphs on: Lightning's rows and metrics
 @pytest.mark.parametrize("kind", list(LOGGERS))
-def test_graph_metrics_reach_logger(tmp_path, monkeypatch, kind):
+def test_graph_metrics_reach_the_logger_at_lightnings_steps(tmp_path, monkeypatch, kind):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     make_logger, read_back = LOGGERS[kind]
     logger = make_logger(tmp_path)
     _, callback = fit_with(tmp_path, logger)
-    assert callback.report.reason == "no_cuda"
+    assert callback.report.stage == Stage.REPLAYING, callback.report.reason
 
     history = read_back(logger)
-    missing = [key for key in CPU_KEYS if key not in history]
+    missing = [key for key in KEYS if key not in history]
     assert not missing, f"{kind}: missing {missing}; logged {sorted(history)}"
-
     loss_steps = [step for step, _ in history["train_loss"]]
     assert len(loss_steps) == MAX_STEPS // LOG_EVERY
-    for key in CPU_KEYS:
+    for key in KEYS:
         steps = [step for step, _ in history[key]]
-        assert steps == loss_steps, f"{key} logged at steps {steps}, Lightning's train_loss at {loss_steps}"
-        assert all(isinstance(value, float) and math.isfinite(value) for _, value in history[key])
+        want = loss_steps if key in EVERY_ROW else loss_steps[-len(steps) :]
+        assert steps == want, f"{key} logged at steps {steps}, Lightning's train_loss at {loss_steps}"
+    for key, values in history.items():  # a metric not measured yet is left out, never logged as nan
+        assert all(math.isfinite(value) for _, value in values), key
 
-    assert {value for _, value in history["cudagraph/stage"]} == {float(Stage.DISABLED)}
-    for key in ("cudagraph/graphs", "cudagraph/replays", "cudagraph/fallbacks", "cudagraph/rollbacks"):
-        assert {value for _, value in history[key]} == {0.0}, key
-    assert all(value > 0 for _, value in history["cudagraph/step_ms"])
-    for key in history:  # a metric that is not measured on a CPU is left out, never logged as nan
-        assert all(not math.isnan(value) for _, value in history[key]), key
+    stages = [value for _, value in history["cudagraph/stage"]]
+    assert stages[-1] == float(Stage.REPLAYING) and stages == sorted(stages)
+    replays = [value for _, value in history["cudagraph/replays"]]
+    assert replays[-1] == callback.report.replays > 0 and replays == sorted(replays)
+
+
+def test_graph_metrics_share_the_rows_of_the_users_metrics(tmp_path):
+    logger = csv_logger(tmp_path)
+    fit_with(tmp_path, logger)
+    graph_rows = [row for row in csv_rows(logger) if row["cudagraph/stage"]]
+    assert len(graph_rows) == MAX_STEPS // LOG_EVERY
+    assert all(row["train_loss"] for row in graph_rows), "a row of cudagraph/* metrics without the user's train_loss"
+
+
+def test_graph_metrics_are_in_logged_and_callback_metrics(tmp_path):
+    trainer, callback = fit_with(tmp_path, csv_logger(tmp_path))
+    report = callback.report.metrics()
+    for metrics in (trainer.logged_metrics, trainer.callback_metrics):
+        assert set(KEYS) <= set(graph_keys(metrics)) <= set(report)
+        assert float(metrics["cudagraph/stage"]) == float(Stage.REPLAYING)
+        assert float(metrics["cudagraph/replays"]) == report["cudagraph/replays"]
+        assert all(metrics[key].device.type == "cpu" for key in graph_keys(metrics)), "no copy to the device"
+    assert "cudagraph/stage" not in trainer.progress_bar_metrics, "the bar shows the stage by name, not a number"
+
+
+class MonitorReplays(pl.Callback):
+    """A user's callback that reads a graph metric from ``callback_metrics``, as EarlyStopping would."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "cudagraph/replays" in trainer.callback_metrics:
+            self.seen.append(float(trainer.callback_metrics["cudagraph/replays"]))
+
+
+def test_a_callback_can_monitor_a_graph_metric(tmp_path):
+    monitor = MonitorReplays()
+    fit_with(tmp_path, False, callbacks=[monitor])  # no logger: callback_metrics still get them
+    assert monitor.seen and monitor.seen[-1] > 0
+
+
+def test_values_reach_a_logger_as_plain_floats(tmp_path):
+    logger = RecordingLogger()
+    fit_with(tmp_path, logger)
+    graph_rows = [row for _, row in logger.rows if graph_keys(row)]
+    assert len(graph_rows) == MAX_STEPS // LOG_EVERY
+    assert all(type(row[key]) is float for row in graph_rows for key in graph_keys(row))
+
+
+def test_a_last_interval_lightning_does_not_write_is_logged_at_the_end(tmp_path):
+    # 7 steps, logging every 2: Lightning writes steps 1, 3 and 5; the package adds its final figures at step 6.
+    logger = csv_logger(tmp_path)
+    _, callback = fit_with(tmp_path, logger, max_steps=7)
+    history = read_csv(logger)
+    assert [step for step, _ in history["train_loss"]] == [1, 3, 5]
+    assert [step for step, _ in history["cudagraph/replays"]] == [1, 3, 5, 6]
+    assert history["cudagraph/replays"][-1][1] == callback.report.replays
 
 
 def test_every_logger_of_the_trainer_gets_the_metrics(tmp_path):
@@ -135,8 +223,115 @@ def test_every_logger_of_the_trainer_gets_the_metrics(tmp_path):
     assert read_csv(csv_log)["cudagraph/stage"] == read_tensorboard(tb_log)["cudagraph/stage"]
 
 
+def test_a_rollback_is_logged(tmp_path):
+    # Graphs were on, then a wrong replay rolled them back: stage -1 and the rollback are logged from then on.
+    callback = graphed()
+    callback.capture_backend = FakeBackend(distort={f"model.blocks.{i}": 22.0 for i in range(TINY["n_layer"])})
+    logger = csv_logger(tmp_path)
+    with pytest.warns(UserWarning, match="rolled back to eager training: parity"):
+        _, callback = fit_with(tmp_path, logger, callback=callback)
+    assert callback.report.rollbacks == 1
+    history = read_csv(logger)
+    assert history["cudagraph/stage"][-1][1] == float(Stage.DISABLED)
+    assert history["cudagraph/rollbacks"][-1][1] == 1.0
+
+
+def test_log_every_n_steps_zero_logs_no_graph_metric(tmp_path):
+    logger = csv_logger(tmp_path)
+    trainer, callback = fit_with(tmp_path, logger, log_every_n_steps=0)
+    assert callback.report.stage == Stage.REPLAYING
+    assert not graph_keys(trainer.logged_metrics)
+
+
+# =================================================================== graphs off from the start: nothing of the package
+OFF = {
+    "no_cuda": lambda: CUDAGraphCallback(scope=["layer"]),  # no capture backend on a CPU
+    "impl_none": lambda: CUDAGraphCallback(impl="none"),
+}
+
+
+@pytest.mark.parametrize("reason", list(OFF))
+@pytest.mark.parametrize("kind", ["csv", "tensorboard"])
+def test_graphs_off_from_the_start_log_no_graph_column(tmp_path, reason, kind):
+    make_logger, read_back = LOGGERS[kind]
+    logger = make_logger(tmp_path)
+    trainer, callback = fit_with(tmp_path, logger, callback=OFF[reason]())
+    assert (callback.report.stage, callback.report.reason) == (Stage.DISABLED, reason)
+
+    history = read_back(logger)
+    assert len(history["train_loss"]) == MAX_STEPS // LOG_EVERY, "the user's metrics are logged as without graphs"
+    assert not graph_keys(history), f"columns of nothing: {graph_keys(history)}"
+    assert not graph_keys(trainer.logged_metrics)
+    assert not graph_keys(trainer.callback_metrics)
+    if kind == "csv":
+        assert not graph_keys(csv_rows(logger)[0])
+
+
+# =================================================================== the progress bar
+class BarReader(pl.Callback):
+    """What the progress bar would show after each training batch (placed after the graph callback)."""
+
+    def __init__(self) -> None:
+        self.shown: list[str | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.shown.append(trainer.progress_bar_callback.get_metrics(trainer, pl_module).get("graphs"))
+
+
+def test_the_bar_shows_the_stage_by_name(tmp_path):
+    reader = BarReader()
+    trainer, _ = fit_with(
+        tmp_path, False, callbacks=[TQDMProgressBar(), reader], enable_progress_bar=True, log_every_n_steps=1
+    )
+    # Warmup steps 1 and 2, the capture at step 3 (confirmation), then replays; the speedup once measured.
+    assert reader.shown[0] == "warmup"
+    assert any(shown.startswith("confirming") for shown in reader.shown)
+    assert reader.shown[-1].startswith("replaying")
+    bar = trainer.progress_bar_callback
+    assert "graphs=replaying" in bar.train_progress_bar.postfix, "what the user sees in the TQDM bar"
+    assert "get_metrics" not in vars(bar), "the bar has its own get_metrics back after the fit"
+    assert not graph_keys(trainer.progress_bar_metrics)
+
+
+def test_the_bar_shows_the_speedup_once_measured(tmp_path):
+    reader = BarReader()
+    callback = graphed()
+    callback.capture_backend = FakeBackend(step_ms=lambda backend: 1.0 if backend.live_graphs else 2.0)
+    fit_with(tmp_path, False, callback=callback, callbacks=[reader], enable_progress_bar=True, log_every_n_steps=1)
+    assert reader.shown[-1] == "replaying 2.00x"
+
+
+@pytest.mark.parametrize("reason", list(OFF))
+def test_the_bar_shows_nothing_when_graphs_are_off(tmp_path, reason):
+    reader = BarReader()
+    trainer, _ = fit_with(tmp_path, False, callback=OFF[reason](), callbacks=[reader], enable_progress_bar=True)
+    assert reader.shown == [None] * MAX_STEPS
+    assert not graph_keys(trainer.progress_bar_metrics)
+
+
+def test_the_rich_bar_shows_the_stage_by_name(tmp_path):
+    pytest.importorskip("rich")
+    reader = BarReader()
+    fit_with(tmp_path, False, callbacks=[RichProgressBar(), reader], enable_progress_bar=True, log_every_n_steps=1)
+    assert reader.shown[-1].startswith("replaying")
+
+
+def test_bar_items_wrap_the_bars_own_get_metrics_and_give_it_back():
+    bar = TQDMProgressBar()
+    own = lambda trainer, module: {"mine": 1}  # noqa: E731  (a user's instance-level override)
+    bar.get_metrics = own
+    first, second = ProgressBarItems(lambda: {"graphs": "warmup"}), ProgressBarItems(lambda: {"graphs": "replaying"})
+    first.show_on(bar)
+    second.show_on(bar)  # a later fit, after one that ended on an exception: no double wrap
+    assert bar.get_metrics(None, None) == {"mine": 1, "graphs": "replaying"}
+    second.remove()
+    first.remove()
+    assert bar.get_metrics is own
+
+
+# =================================================================== helpers
 class RecordingLogger(Logger):
-    """A logger that keeps every call, with no rank-zero filter of its own (unlike Lightning's loggers)."""
+    """A logger that keeps every call."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -157,22 +352,19 @@ class RecordingLogger(Logger):
         self.rows.append((step, dict(metrics)))
 
 
-@pytest.mark.parametrize(("rank", "expect_graph_rows"), [(0, True), (1, False)], ids=["rank0", "rank1"])
-def test_graph_metrics_are_logged_on_rank_zero_only(tmp_path, monkeypatch, rank, expect_graph_rows):
-    # A single-device Trainer leaves `rank_zero_only.rank` alone, so setting it makes this process act as that rank.
-    monkeypatch.setattr(rank_zero_only, "rank", rank)
-    logger = RecordingLogger()
-    fit_with(tmp_path, logger)
+def test_logging_adds_no_tensor_on_the_device():
+    # The values become CPU tensors whatever the module's device: logging them copies nothing to a GPU.
+    from lightning_cudagraph.health import log_through_lightning
 
-    graph_rows = [row for _, row in logger.rows if any(key.startswith("cudagraph/") for key in row)]
-    lightning_rows = [row for _, row in logger.rows if "train_loss" in row]
-    assert lightning_rows, "Lightning itself logs on every rank to a logger without a rank filter"
-    assert bool(graph_rows) is expect_graph_rows
-    if expect_graph_rows:
-        assert all(row["cudagraph/stage"] == float(Stage.DISABLED) for row in graph_rows)
-        assert all(type(value) is float for row in graph_rows for value in row.values()), "plain floats only"
+    logged: dict[str, Any] = {}
 
+    class Module(pl.LightningModule):
+        def log_dict(self, dictionary, **kwargs):
+            logged.update(dictionary=dictionary, **kwargs)
 
-def test_stage_is_shown_in_the_progress_bar(tmp_path):
-    trainer, _ = fit_with(tmp_path, False, enable_progress_bar=True)
-    assert trainer.progress_bar_metrics["cudagraph/stage"] == float(Stage.DISABLED)
+    module = Module()
+    module._trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    log_through_lightning(module, {"cudagraph/stage": 2.0})
+    assert {key: value.device.type for key, value in logged["dictionary"].items()} == {"cudagraph/stage": "cpu"}
+    assert logged["dictionary"]["cudagraph/stage"].dtype == torch.float64
+    assert (logged["on_step"], logged["on_epoch"], logged["logger"]) == (True, False, False)
