@@ -77,6 +77,11 @@ OPTION_DOCS: dict[str, str] = {
     " :meth:`~lightning_cudagraph.CUDAGraphCallback.seal` closes it by hand). A seal taken before the first"
     " capture (during the eager warmup steps) closes the set to the shape that warmup captures: that shape is"
     " still captured when warmup ends, and any other shape raises.",
+    "audit_every_n_steps": "The whole step's numerics guard: every this many replayed steps, one step is checked"
+    " against the eager step from the same state on the same batch (a shadow step: the graph replays, the state is"
+    " put back, the step runs eagerly and is kept; loss and parameter update must agree). A failure rolls back"
+    " (or raises with ``on_failure=\"raise\"``). Every newly captured shape gets one during confirmation whatever"
+    " this says. ``None`` or 0: confirmation only. It costs about one eager step per interval.",
     "compile": "``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about"
     " to be captured, compiled during the eager warmup steps, then held by the graphs) or a dict of"
     ' ``torch.compile`` arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or'
@@ -151,6 +156,7 @@ class CUDAGraphConfig:
     parity_tol: float | None = None
     max_pool_mib: float | None = None
     seal_after_steps: int | None = None
+    audit_every_n_steps: int | None = 500
     compile: CompileOptions | None = field(default=None, metadata=_accepts(bool | Mapping[str, Any]))
 
     @classmethod
@@ -217,6 +223,10 @@ class CUDAGraphConfig:
         _check_positive(component, "max_pool_mib", self.max_pool_mib, "pass a budget in MiB, or None for no limit")
         if self.seal_after_steps is not None:
             _check_int(component, "seal_after_steps", self.seal_after_steps, 1, "pass an optimizer step, or None")
+        if self.audit_every_n_steps is not None:
+            _check_int(
+                component, "audit_every_n_steps", self.audit_every_n_steps, 0, "pass a number of steps, or None"
+            )
         self._validate_parity_tol(component)
         self._validate_max_graphs(component)
         self._validate_scope(component)

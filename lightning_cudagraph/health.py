@@ -100,7 +100,9 @@ class CUDAGraphReport:
         step_ms: Median step time over the last log interval.
         eager_step_ms: Median eager step time during warmup (first step excluded).
         parity_err: Largest relative difference between a graphed forward and the eager forward on the same
-            inputs, measured during confirmation.
+            inputs, measured during confirmation; for the whole step, between the graph's and the eager step's
+            loss and parameter update from the same state (shadow steps: confirmation and audits).
+        audits: Shadow steps run: the graph checked against the eager step from the same state on a real batch.
         memory_before_capture: ``torch.cuda.memory_allocated()`` right before the first capture, in bytes.
         nonfinite: Non-finite losses seen, as ``(first step, count)`` per detection.
         level: The level graphs run at (``attn``, ``attn+mlp``, ``layer``, ``full_iteration``); with a fixed
@@ -146,6 +148,7 @@ class CUDAGraphReport:
     step_ms: float = math.nan
     eager_step_ms: float = math.nan
     parity_err: float = math.nan
+    audits: int = 0
     memory_before_capture: int | None = None
     nonfinite: list[tuple[int, int]] = field(default_factory=list)
     level: str | None = None

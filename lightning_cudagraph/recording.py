@@ -76,6 +76,9 @@ class WarmupRecorder:
         self._targets = list(targets)
         self._history = history
         self._by_batch: dict[tuple[Any, ...], list[StepRecord]] = {}
+        #: Steps recorded per batch shape, all of them: with gradient accumulation a warmup of N optimizer steps
+        #: is N x accumulate_grad_batches recorded steps, more than ``history`` keeps.
+        self._seen: dict[tuple[Any, ...], int] = {}
         self._current: StepRecord | None = None
         self._keep_samples = False
 
@@ -86,7 +89,7 @@ class WarmupRecorder:
 
     def recorded_steps(self, batch: tuple[Any, ...]) -> int:
         """How many eager steps of this batch shape are recorded."""
-        return len(self._by_batch.get(batch, ()))
+        return self._seen.get(batch, 0)
 
     def begin_step(self, batch: tuple[Any, ...], keep_samples: bool) -> None:
         """Start recording a step whose batch has the given key."""
@@ -116,14 +119,16 @@ class WarmupRecorder:
                 record.samples = {}
         records.append(current)
         del records[: -self._history]
+        self._seen[current.batch] = self._seen.get(current.batch, 0) + 1
 
     def forget(self, batch: tuple[Any, ...]) -> None:
         """Forget the steps of one batch shape (captured: its samples are no longer needed)."""
         self._by_batch.pop(batch, None)
+        self._seen.pop(batch, None)
 
     def clear(self) -> None:
         """Forget every recorded step (their sample inputs hold device memory)."""
-        self._by_batch = {}
+        self._by_batch, self._seen = {}, {}
         self._current = None
 
     def discard_step(self) -> None:

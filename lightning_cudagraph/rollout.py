@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph import preflight
 from lightning_cudagraph.agreement import RankAgreement
+from lightning_cudagraph.batches import batch_key, opaque_reason
 from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.compiling import CompiledForwards, CompiledModules, CompileWatch, called_modules
 from lightning_cudagraph.config import CUDAGraphConfig
@@ -41,7 +42,6 @@ from lightning_cudagraph.health import (
 )
 from lightning_cudagraph.ladder import Rung, build_rungs, replacement_parts
 from lightning_cudagraph.scopes import ScopeResolution, Target, candidate_names, resolve_scopes
-from lightning_cudagraph.batches import batch_key, opaque_reason
 from lightning_cudagraph.stages import StageMachine
 
 
@@ -274,6 +274,30 @@ class Rollout:
             self.seal()
 
     # ------------------------------------------------------------------ stage 7: release, checkpoints
+    def train_end(self, trainer: pl.Trainer) -> None:
+        """The fit ended: say why if graphs never reached replay, send the last metrics, release."""
+        if self.active and self.stage in (Stage.WARMUP, Stage.CONFIRMING):
+            self.machine.disable("not_engaged", detail=self._why_not_engaged(trainer))
+            self.report.reason = f"not_engaged: {self._why_not_engaged(trainer)}"
+        self.flush(trainer)
+        self.release()
+
+    def _why_not_engaged(self, trainer: pl.Trainer) -> str:
+        """Why a fit that ends now never replayed graphs in steady state."""
+        steps, level = trainer.global_step, f" at level {self.report.level!r}" if self.report.level else ""
+        if self.stage == Stage.CONFIRMING:
+            return (
+                f"the fit ended during replay confirmation{level} after {steps} optimizer step(s); the graphs were"
+                f" never trusted (confirm_steps={self.config.confirm_steps}: raise max_steps)"
+            )
+        eager = self.driver.first_eager_steps if self.driver is not None else self.config.warmup_steps
+        if steps <= eager:
+            return (
+                f"the fit ended after {steps} optimizer step(s), within the {eager} eager warmup step(s) before"
+                f" capture{level} (raise max_steps or lower warmup_steps)"
+            )
+        return f"no graph was captured{level} in {steps} optimizer step(s) (the targets did not run in a training step)"
+
     def release(self) -> None:
         """Free every graph and restore everything patched (idempotent; called on every exit path)."""
         try:

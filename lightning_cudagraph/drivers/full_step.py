@@ -9,6 +9,7 @@ as in eager training.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -18,15 +19,24 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 
 from lightning_cudagraph._lightning import set_closure_result, step_loss
+from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason, own_copy
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
 from lightning_cudagraph.drivers.evidence import MetricUpdates, StateWatch
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.drivers.whole_step import NonFiniteFlags, WholeStep
 from lightning_cudagraph.graphs.backend import PreparedOptimizer
+from lightning_cudagraph.graphs.optimizers import OptimizerSettings
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason, own_copy
+from lightning_cudagraph.snapshot import TrainingState
+
+#: Largest relative difference a shadow step allows between the graph's and the eager step's parameter update (and
+#: loss): run-to-run noise of the same kernels is orders of magnitude below, while a wrong batch, a frozen
+#: hyperparameter or stale storage moves the update by about its own size.
+SHADOW_TOL = {False: 1e-3, True: 5e-2}  # by whether the step runs under autocast
+FULL_PRECISIONS = ("32", "32-true", "64", "64-true")
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,10 @@ class FullStepDriver(Driver):
         self._first: WholeStep | None = None
         self._sightings: dict[tuple[Any, ...], int] = {}
         self._last_nonfinite_check = 0
+        #: The optimizers as the user holds them, and their settings when graphs were captured (or at start).
+        self._user_optimizers: list[torch.optim.Optimizer] = []
+        self._settings: dict[int, OptimizerSettings] = {}
+        self._since_audit = 0
 
     def start(self, trainer: pl.Trainer) -> None:
         """Switch optimizers to their capturable form for the whole fit, so their arithmetic never changes mid-run."""
@@ -81,6 +95,21 @@ class FullStepDriver(Driver):
     def _prepare(self, optimizer: torch.optim.Optimizer) -> None:
         if id(optimizer) not in self.optimizers:
             self.optimizers[id(optimizer)] = self.backend.prepare_optimizer(optimizer)
+            self._user_optimizers.append(optimizer)
+            self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
+
+    def _settings_problem(self) -> str | None:
+        """A rollback reason when an optimizer setting a graph bakes in (all but ``lr``) moved since capture."""
+        for optimizer in self._user_optimizers:
+            change = self._settings[id(optimizer)].change(OptimizerSettings.of(optimizer))
+            if change is not None:
+                return (
+                    f"optimizer_setting_changed: {type(optimizer).__name__} {change} after the whole step was"
+                    " captured; a graph replays the optimizer with the settings it was captured with (only lr is"
+                    " read from the device). Fix: keep it fixed (OneCycleLR/CyclicLR(cycle_momentum=False)), or"
+                    " use a scoped capture (scope=['layer']), whose optimizer runs eagerly"
+                )
+        return None
 
     # ------------------------------------------------------------------ the plan (``batch_to_device``)
     def plan(self, step: int, batch: Any) -> Any:
@@ -135,30 +164,98 @@ class FullStepDriver(Driver):
                     self.report.count_fallback(plan.fallback)
             return _eager(run_step)
         module = trainer.lightning_module
+        problem = self._settings_problem()
+        if problem is not None:  # a setting moved during warmup (it moves every step) or since capture
+            self.machine.rollback(problem)
+            return _eager(run_step)
         if isinstance(plan, CaptureStep):
+            # Everything the step changes, copied before the capture: a capture that is not kept puts it back, and
+            # the graph's first run is a shadow step from it, so no unchecked replay ever trains.
+            state = self._state_before_step(trainer, module)
             first = self.machine.stage == Stage.WARMUP
-            if not self._capture(plan, optimizer, run_step, module):
+            if not self._capture(plan, optimizer, run_step, module, state):
                 return _eager(run_step)
             if first:
                 self._first = plan.whole
                 self.machine.begin_confirmation()
-            whole = plan.whole
-        else:
-            problem = self.state.problem()
-            if problem is not None:
-                self.machine.rollback(problem)
-                return _eager(run_step)
-            whole = self.steps.get(plan.key)
+            return self._shadow(plan.whole, trainer, closure, run_step, module, state)
+        problem = self.state.problem()
+        if problem is not None:
+            self.machine.rollback(problem)
+            return _eager(run_step)
+        whole = self.steps.get(plan.key)
+        self._since_audit += 1
+        if self._since_audit >= self._audit_every():
+            return self._shadow(whole, trainer, closure, run_step, module, self._state_before_step(trainer, module))
         return self._replay(whole, trainer, closure, module)
 
+    def _state_before_step(self, trainer: pl.Trainer, module: Any) -> TrainingState:
+        return TrainingState.take(module, self._user_optimizers, self.backend.device, self._precision_state(trainer))
+
+    def _audit_every(self) -> int:
+        return self.config.audit_every_n_steps or 2**62  # None or 0: no audit after confirmation
+
+    def _shadow(
+        self,
+        whole: WholeStep,
+        trainer: pl.Trainer,
+        closure: Any,
+        run_step: Callable[[], Any],
+        module: Any,
+        state: TrainingState,
+    ) -> Any:
+        """Check the graph against the eager step from the same state on the same batch; train on the eager one.
+
+        The graph replays first, from ``state`` (a copy of everything the step changes); its loss and parameters
+        are kept, the copy is put back, and the step runs eagerly: that is the step training keeps, so a graph that
+        fails the check never touched the weights. One host sync, for the decision.
+        """
+        whole.shadowed, self._since_audit = True, 0
+        graphed = self._replay(whole, trainer, closure, module, reissue=False)
+        graph_loss, graph_params = step_loss(graphed), state.parameters_now()
+        state.restore()
+        output = _eager(run_step)
+        state.keep_gradient_buffers()
+        eager_loss = step_loss(output)
+        error = state.update_error_of(graph_params)
+        if graph_loss is not None and eager_loss is not None:
+            error = torch.maximum(error, _relative(graph_loss.detach(), eager_loss.detach()).to(error.device))
+        losses = [graph_loss, eager_loss] if graph_loss is not None and eager_loss is not None else []
+        value, *shown = torch.stack([error.float(), *(loss.detach().float().mean() for loss in losses)]).tolist()
+        self.report.parity_err = value if math.isnan(self.report.parity_err) else max(self.report.parity_err, value)
+        self.report.audits += 1
+        tolerance = SHADOW_TOL[str(trainer.precision) not in FULL_PRECISIONS]
+        if not value <= tolerance:  # NaN fails too
+            where = f" (loss {shown[0]:.6g} graphed, {shown[1]:.6g} eager)" if shown else ""
+            self.machine.rollback(
+                f"parity: the whole-step graph is off the eager step from the same state by {value:.3g} (allowed"
+                f" {tolerance:g}) at step {trainer.global_step}{where}; the eager step was kept. A graph that reads"
+                " a stale buffer, a frozen setting or a wrong batch does this"
+            )
+        return output
+
+    @staticmethod
+    def _precision_state(trainer: pl.Trainer) -> list[Tensor]:
+        """Device tensors of the precision plugin that a step moves (the grad scaler's scale and growth tracker)."""
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        held = (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
+        return [t for t in held if isinstance(t, Tensor)]
+
     def _capture(
-        self, plan: CaptureStep, optimizer: torch.optim.Optimizer, run_step: Callable[[], Any], module: Any
+        self,
+        plan: CaptureStep,
+        optimizer: torch.optim.Optimizer,
+        run_step: Callable[[], Any],
+        module: Any,
+        before: TrainingState,
     ) -> bool:
         whole, first = plan.whole, not self.captured_any
         self._before_first_capture()
         self._prepare(optimizer)
         self._note_memory_before_capture()
         metrics = MetricUpdates([("", module)])
+        # The capture runs training_step's Python once; if its graph is not kept, the step runs again eagerly, so
+        # what that Python changed (metric states and counters, module attributes, generators) is put back first.
 
         def body() -> None:  # what the graph holds; its Python runs while capturing only
             self._capturing = whole
@@ -181,26 +278,31 @@ class FullStepDriver(Driver):
             if whole.graph is not None:
                 whole.graph.reset()
                 whole.graph = None
+            before.restore()
             self._capture_failed(error or RuntimeError("the capture failed on another rank"))
             return False
         self.steps.add(plan.key, whole)
         self._sightings.pop(plan.key, None)
         if not self._captured(started, len(self.steps)):
+            before.restore()
             return False
         updated = metrics.changed()
         if updated:
+            before.restore()
             self.machine.rollback(
                 f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside the captured training_step;"
                 " a replay would not count their updates. Fix: update them in on_train_batch_end from the step's"
                 " outputs, or use a scoped capture (scope=['layer'])"
             )
             return False
+        for optimizer in self._user_optimizers:  # what this graph bakes in
+            self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
         if first:  # later shapes must read the same tensors: a rebind in between is caught, not re-watched
             self.state.watch((*module.named_parameters(), *module.named_buffers()))
         rank_zero_info(f"{self.component}: captured the training step for batch {describe_batch_key(plan.key)}")
         return True
 
-    def _replay(self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any) -> Any:
+    def _replay(self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any, reissue: bool = True) -> Any:
         for optimizer in self.optimizers.values():
             optimizer.refresh()
         self.flags.current_step.fill_(trainer.global_step)
@@ -208,8 +310,9 @@ class FullStepDriver(Driver):
         self.report.replays += 1
         self.report.steps_replayed += 1
         output = whole.output_copy()
-        set_closure_result(closure, output, trainer.accumulate_grad_batches)
-        whole.logs.reissue(module)
+        if reissue:
+            set_closure_result(closure, output, trainer.accumulate_grad_batches)
+            whole.logs.reissue(module)
         whole.confirm_left -= 1
         return output
 
@@ -238,7 +341,8 @@ class FullStepDriver(Driver):
         """Confirm once the first shape replayed ``confirm_steps`` times (its parameters checked before each)."""
         if not self.machine.graphs_allowed:
             return
-        if self.machine.stage == Stage.CONFIRMING and self._first is not None and self._first.confirm_left <= 0:
+        shape = self._first
+        if self.machine.stage == Stage.CONFIRMING and shape is not None and shape.confirm_left <= 0 and shape.shadowed:
             count, first = self.flags.read_and_clear()  # the decision's one host sync
             self.machine.confirm(graphs=self.report.graphs, nonfinite_first_step=first if count else None)
 
@@ -277,6 +381,11 @@ class FullStepDriver(Driver):
             optimizers, self.optimizers = list(self.optimizers.values()), {}
             for optimizer in optimizers:
                 optimizer.restore()
+
+
+def _relative(a: Tensor, b: Tensor) -> Tensor:
+    """``|a - b| / |b|`` of two losses, as a device scalar."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).reshape(())
 
 
 def _eager(run_step: Callable[[], Any]) -> Any:

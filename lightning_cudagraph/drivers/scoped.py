@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_cudagraph.batches import describe_batch_key
 from lightning_cudagraph.compiling import CompiledForwards
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
 from lightning_cudagraph.drivers.evidence import StateWatch
@@ -28,7 +29,6 @@ from lightning_cudagraph.health import Stage
 from lightning_cudagraph.hooks import inner_hook_count
 from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
 from lightning_cudagraph.scopes import Target
-from lightning_cudagraph.batches import describe_batch_key
 
 #: Relative parity tolerances when ``parity_tol`` is not given: full precision, and under autocast.
 DEFAULT_PARITY_TOL = 1e-4

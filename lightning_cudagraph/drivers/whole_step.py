@@ -25,6 +25,7 @@ class WholeStep:
         output: ``training_step`` 's output as captured (static tensors the replays rewrite).
         logs: The ``self.log`` calls ``training_step`` made while captured, re-issued after each replay.
         confirm_left: Replays still to be checked before this shape's graph is trusted.
+        shadowed: Whether a shadow step (the graph against the eager step from the same state) has checked it.
     """
 
     static_batch: Any
@@ -32,6 +33,7 @@ class WholeStep:
     output: Any = None
     logs: StepLogs = field(default_factory=StepLogs)
     confirm_left: int = 0
+    shadowed: bool = False
 
     def stage(self, batch: Any) -> Any:
         """Copy ``batch`` into the static buffers and return them (no host sync)."""

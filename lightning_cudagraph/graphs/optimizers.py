@@ -121,3 +121,52 @@ def _to_fuse(group: dict[str, Any], device: torch.device) -> bool:
         and not group.get("differentiable")
         and all(torch.is_floating_point(p) and p.device.type == device.type for p in group["params"])
     )
+
+
+#: Keys of a parameter group that a captured step does not bake in: the parameters themselves, the learning rate
+#: (a device tensor the graph reads), and the flags the package itself switches.
+_UNBAKED = frozenset({"params", "lr", "capturable", "fused", "foreach"})
+
+
+class OptimizerSettings:
+    """The host-side settings of an optimizer's parameter groups that a captured step bakes in.
+
+    A whole-step graph replays the optimizer's kernels with the numbers they were launched with: a scheduler that
+    moves ``betas`` or ``momentum`` (``OneCycleLR`` and ``CyclicLR`` with ``cycle_momentum=True``), or a user who
+    sets ``weight_decay``, would be ignored. Comparing two snapshots is host work only (no device sync).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> optimizer = torch.optim.AdamW(model.parameters(), betas=(0.95, 0.999))
+        >>> before = OptimizerSettings.of(optimizer)
+        >>> optimizer.param_groups[0]["betas"] = (0.9, 0.999)
+        >>> before.change(OptimizerSettings.of(optimizer))
+        "param_groups[0]['betas'] moved from (0.95, 0.999) to (0.9, 0.999)"
+    """
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.groups = groups
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> OptimizerSettings:
+        """The settings of ``optimizer`` now (tensors by identity: the graph reads them in place)."""
+        return cls([{k: v for k, v in group.items() if k not in _UNBAKED} for group in optimizer.param_groups])
+
+    def change(self, now: OptimizerSettings) -> str | None:
+        """The first setting that differs in ``now``, described; ``None`` when none does."""
+        if len(now.groups) != len(self.groups):
+            return f"has {len(now.groups)} parameter groups instead of {len(self.groups)}"
+        for index, (old, new) in enumerate(zip(self.groups, now.groups, strict=True)):
+            for key in sorted(set(old) | set(new)):
+                a, b = old.get(key), new.get(key)
+                if a is b or (not isinstance(a, Tensor) and not isinstance(b, Tensor) and _equal(a, b)):
+                    continue
+                return f"param_groups[{index}][{key!r}] moved from {a!r} to {b!r}"
+        return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
