@@ -366,10 +366,13 @@ def build_lora_llama(ctx: BuildContext) -> Built:
     return Built(ZooModule(net, _token_loss, _adamw(3e-3)), _token_loader(ctx))
 
 
-def _gpt2(dropout: float) -> nn.Module:
+def _gpt2(dropout: float, use_cache: bool | None = False) -> nn.Module:
+    """A tiny GPT-2; ``use_cache=None`` keeps the config's default (``True``: a cache object in every forward)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    cache = {} if use_cache is None else {"use_cache": use_cache}
     config = GPT2Config(
+        **cache,
         vocab_size=VOCAB,
         n_positions=128,
         n_embd=128,
@@ -400,6 +403,11 @@ def build_gpt2_dropout(ctx: BuildContext) -> Built:
     return Built(ZooModule(_gpt2(0.1), _token_loss, _adamw()), _token_loader(ctx))
 
 
+def build_gpt2_default_cache(ctx: BuildContext) -> Built:
+    """``GPT2LMHeadModel`` from a config that keeps ``use_cache`` at its default, as a new user writes it."""
+    return Built(ZooModule(_gpt2(0.0, use_cache=None), _token_loss, _adamw()), _token_loader(ctx))
+
+
 def build_t5(ctx: BuildContext) -> Built:
     """``T5ForConditionalGeneration`` (tiny config, dropout 0.1): encoder-decoder, relative position buckets."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -415,6 +423,7 @@ def build_t5(ctx: BuildContext) -> Built:
         dropout_rate=0.1,
         decoder_start_token_id=0,
         pad_token_id=0,
+        use_cache=False,
     )
     generator = ctx.generator()
     count = 8 * 16
@@ -444,6 +453,7 @@ def build_whisper(ctx: BuildContext) -> Built:
         bos_token_id=1,
         eos_token_id=2,
         decoder_start_token_id=1,
+        use_cache=False,
     )
     generator = ctx.generator()
     count = 8 * 16
@@ -699,6 +709,12 @@ ENTRIES: tuple[Entry, ...] = (
     ),
     Entry("gpt2_dropout", HF, "GPT-2 with dropout 0.1 (RNG in the step)", build_gpt2_dropout),
     Entry("llama_bf16", HF, 'LlamaForCausalLM, precision="bf16-mixed"', build_llama_bf16, precision="bf16-mixed"),
+    Entry(
+        "gpt2_default_cache",
+        HF,
+        "GPT-2 config left at its defaults (use_cache=True)",
+        build_gpt2_default_cache,
+    ),
     Entry("t5_tiny", HF, "T5 encoder-decoder, dropout 0.1", build_t5),
     Entry("whisper_tiny", HF, "Whisper encoder-decoder on log-mel features", build_whisper),
     Entry(
