@@ -160,8 +160,9 @@ def inductor_graphs_in(module: nn.Module) -> str | None:
 
 def _compiler_config(module: nn.Module) -> Mapping[str, Any]:
     """The inductor options a module was compiled with: ``torch.compile(module)`` or ``module.compile()``."""
-    if hasattr(module, "get_compiler_config"):  # torch.compile(module): an OptimizedModule
-        config = module.get_compiler_config()
+    get_compiler_config = getattr(module, "get_compiler_config", None)  # torch.compile(module): an OptimizedModule
+    if callable(get_compiler_config):
+        config = get_compiler_config()
         return config if isinstance(config, Mapping) else {}
     compiled = getattr(module, "_compiled_call_impl", None)  # module.compile(): the context is in its closure
     for cell in getattr(compiled, "__closure__", None) or ():
@@ -209,7 +210,10 @@ def _entry_point(function: Callable[..., Any], name: str) -> Callable[..., Any]:
     never starts a frame in ``torch.nn`` either (a ``Sequential``'s or ``MultiheadAttention``'s own forward), but
     inlines them from a frame of ours.
     """
-    code = function.__code__.replace(co_name=name, co_qualname=name)
+    if sys.version_info >= (3, 11):  # co_qualname is new in 3.11
+        code = function.__code__.replace(co_name=name, co_qualname=name)
+    else:
+        code = function.__code__.replace(co_name=name)
     return types.FunctionType(code, function.__globals__, name)
 
 

@@ -30,7 +30,8 @@ MODULE_HOOK_DICTS = (
     "_backward_pre_hooks",
     "_backward_hooks",
 )
-#: Process-wide hook dictionaries registered with ``torch.nn.modules.module.register_module_*_hook``.
+#: Process-wide hook dictionaries registered with ``torch.nn.modules.module.register_module_*_hook``. Older torch
+#: releases lack some of them (torch 2.4 has no ``_global_forward_hooks_with_kwargs``): those are skipped.
 GLOBAL_HOOK_DICTS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",
@@ -66,7 +67,7 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
                 if module is root and not include_roots:
                     continue
                 stashed.extend(_swap_out(module, name) for name in MODULE_HOOK_DICTS if hasattr(module, name))
-        stashed.extend(_swap_out(module_globals, name) for name in GLOBAL_HOOK_DICTS)
+        stashed.extend(_swap_out(module_globals, name) for name in GLOBAL_HOOK_DICTS if hasattr(module_globals, name))
         yield
     finally:
         for owner, name, original in reversed(stashed):
@@ -97,8 +98,10 @@ def hooked_modules(root: nn.Module) -> list[str]:
         >>> hooked_modules(net)
         ['1']
     """
-    names = [name or "<root>" for name, module in root.named_modules() if any(getattr(module, n) for n in _FIRING)]
-    if any(getattr(module_globals, "_global" + name) for name in _FIRING):
+    names = [
+        name or "<root>" for name, module in root.named_modules() if any(getattr(module, n, None) for n in _FIRING)
+    ]
+    if any(getattr(module_globals, "_global" + name, None) for name in _FIRING):
         names.append("<global module hooks>")
     return names
 

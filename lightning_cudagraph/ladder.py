@@ -163,7 +163,7 @@ class Ladder:
     @property
     def row(self) -> LevelRecord:
         """The report's row of the current rung."""
-        return self._rows[self.current.name]
+        return self._rows[self._walk[self._position].name]
 
     @property
     def scoped_targets(self) -> list[Target]:
@@ -222,10 +222,11 @@ class Ladder:
         return self._next()
 
     def _next(self) -> Rung | None:
-        if self._position > 0 and self._best is self.current:  # the narrower rungs left hold less of its work
+        best = self._best
+        if self._position > 0 and best is not None and best is self.current:  # the narrower rungs hold less of its work
             for rung in self._walk[self._position + 1 :]:
                 row = self._rows[rung.name]
-                row.status, row.reason = "skipped", f"{self.current.name!r} was confirmed faster and holds its work"
+                row.status, row.reason = "skipped", f"{best.name!r} was confirmed faster and holds its work"
             return self._settle()
         if self._position + 1 < len(self._walk):
             self._position += 1

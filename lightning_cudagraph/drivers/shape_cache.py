@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any, Generic, TypeVar
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -66,7 +67,7 @@ class ShapeCache(Generic[T]):
         self._items[key] = item
         self.known.add(key)
 
-    def seal(self, known: set[tuple[Any, ...]] = frozenset()) -> None:
+    def seal(self, known: AbstractSet[tuple[Any, ...]] = frozenset()) -> None:
         """Close the set of shapes to those captured so far (and ``known``): any other shape is an error."""
         self.sealed = True
         self.known |= known

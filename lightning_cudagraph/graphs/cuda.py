@@ -48,6 +48,7 @@ class CUDAStepGraph:
 
     def replay(self) -> None:
         """Replay the step's kernels."""
+        assert self._graph is not None, "a step graph is replayed only until it is reset"
         self._graph.replay()
 
     def reset(self) -> None:

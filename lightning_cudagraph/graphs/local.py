@@ -61,6 +61,7 @@ class GraphedRegion:
         """Replay only the forward graph, outside autograd, and return copies of its tensor outputs."""
         with torch.no_grad():
             self._copy_inputs(distinct_tensors(self.signature, args, kwargs))
+            assert self.fwd_graph is not None, "a region is replayed only while it holds its graphs"
             self.fwd_graph.replay()
             return [out.clone() for out in self.static_outputs]
 
@@ -104,6 +105,7 @@ class _GraphedCall(torch.autograd.Function):
     def forward(ctx: Any, region: GraphedRegion, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.region = region
         region._copy_inputs(inputs[: len(region.static_inputs)])
+        assert region.fwd_graph is not None, "a region is replayed only while it holds its graphs"
         region.fwd_graph.replay()
         outputs = tuple(out.detach() for out in region.static_outputs)
         ctx.mark_non_differentiable(*(o for o, d in zip(outputs, region.differentiable, strict=True) if not d))
@@ -177,7 +179,7 @@ def capture_regions(
         for region in regions:
             region.reset()
         raise
-    return RegionCaptures(regions)
+    return RegionCaptures(list(regions))  # a list of the base class, for the backend's type
 
 
 @contextmanager
@@ -269,8 +271,8 @@ def _capture_backward(region: GraphedRegion, surface: tuple[Tensor, ...], pool: 
     graph = torch.cuda.CUDAGraph()
     with autocast_of(region.signature), graph_capture(graph, pool):
         grads = _grads_of(region.static_outputs, surface, [g for g in grad_outputs if g is not None])
-    grads_iter = iter(grads)
-    region.static_grad_inputs = tuple(next(grads_iter) if t.requires_grad else None for t in surface)
+    grads_iter = iter(grads or ())  # no output needing a gradient: no gradient flows back to any input
+    region.static_grad_inputs = tuple(next(grads_iter, None) if t.requires_grad else None for t in surface)
     region.bwd_graph = graph
     region.static_outputs = tuple(o.detach() for o in region.static_outputs)  # drop the capture's autograd graph
 

@@ -157,7 +157,7 @@ def capture_te_regions(
             regions.append(
                 TERegion(call.name, module, call.signature, forward, reset, addresses, weight_cache=weight_cache)
             )
-        return RegionCaptures(regions)
+        return RegionCaptures(list(regions))  # a list of the base class, for the backend's type
     finally:
         for module, guard in zip(modules, guards, strict=True):
             for attribute in ("forward", "reset", "backward_dw"):

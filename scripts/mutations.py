@@ -1,0 +1,773 @@
+"""A mutation check of the CPU suite: small realistic bugs, each applied alone in a temporary copy of the repository.
+
+Every entry names a file of the package, an exact snippet, its replacement and what the bug does to a user. The
+script copies the repository (never touching the real files), then for each entry writes the mutated file, runs
+the tests that cover it (``-x``: the first failure ends the run), and restores the file. A mutation is *caught*
+when a test fails (or the run hangs past its timeout), *survived* when every selected test passes, and *stale*
+when its snippet is no longer in the file exactly once (the code moved: update the entry).
+
+Run from the repository root (about 20 minutes on 2 cores)::
+
+    python scripts/mutations.py --jobs 2
+    python scripts/mutations.py --only 12,30 --jobs 1    # a few entries, by number
+    python scripts/mutations.py --list                   # the entries and whether their snippets are found
+
+The last line says ``N caught, M survived, K stale``; ``--markdown FILE`` also writes the table there. The exit
+status is 1 when a mutation survived or is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = "lightning_cudagraph"
+#: What a copy leaves out: history, caches, build metadata.
+IGNORED = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".benchmarks", ".pytest_cache", "*.pyc")
+#: One mutation's test run; a run that takes longer has hung (a loop that never ends counts as caught).
+RUN_TIMEOUT_S = 420
+#: pytest-timeout's per-test limit inside a mutation run.
+TEST_TIMEOUT_S = 240
+
+S = "tests/test_strict_scenarios.py::"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A small bug: in ``file``, the one occurrence of ``find`` becomes ``replace``.
+
+    Attributes:
+        file: Path from the repository root.
+        find: The exact snippet (it must occur exactly once).
+        replace: What it becomes.
+        description: What a user would suffer.
+        tests: Test files or node ids to run, the one expected to catch it first.
+    """
+
+    file: str
+    find: str
+    replace: str
+    description: str
+    tests: tuple[str, ...]
+
+
+def m(file: str, find: str, replace: str, description: str, *tests: str) -> Mutation:
+    """An entry for ``file`` of the package."""
+    return Mutation(f"{PACKAGE}/{file}", find, replace, description, tests)
+
+
+MUTATIONS: list[Mutation] = [
+    # ------------------------------------------------------------------ the whole step: logs, outputs, optimizer
+    m(
+        "_lightning.py",
+        "results.update_metrics(feed.key, value.detach(), batch_size)",
+        "pass",
+        "stale logged loss: every replayed whole step logs the capture step's loss (monitors frozen)",
+        S + "test_every_replayed_whole_step_logs_its_own_loss",
+        "tests/test_lifecycle_full.py",
+    ),
+    m(
+        "_lightning.py",
+        "if metric is None or not metric.is_tensor or metric.meta.enable_graph:",
+        "if metric is None or not metric.is_tensor:",
+        "a graph-enabled self.log value is fed around self.log (Lightning would keep its autograd graph)",
+        "tests/test_lifecycle_full.py::test_replayed_steps_log_every_kind_of_call_as_eager_training_does_across_epochs",
+    ),
+    m(
+        "drivers/full_step.py",
+        "            optimizer.refresh()\n",
+        "            pass\n",
+        "manual lr ignored: group['lr'] = x in user code has no effect on replayed whole steps",
+        S + "test_a_learning_rate_assigned_as_a_number_takes_effect_on_replayed_steps",
+        "tests/test_capturable_optimizer.py",
+    ),
+    m(
+        "graphs/optimizers.py",
+        '                lr.fill_(group["lr"])\n',
+        "",
+        "manual lr ignored: refresh puts the captured tensor back without the user's value",
+        S + "test_a_learning_rate_assigned_as_a_number_takes_effect_on_replayed_steps",
+        "tests/test_capturable_optimizer.py",
+    ),
+    m(
+        "graphs/optimizers.py",
+        '                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)',
+        '                group["lr"] = float(group["lr"])',
+        "lr stays a number: a whole-step graph bakes it in and LR schedules stop acting on replayed steps",
+        S + "test_an_lr_schedule_acts_on_replayed_whole_steps",
+        "tests/test_capturable_optimizer.py",
+    ),
+    m(
+        "graphs/optimizers.py",
+        '            if isinstance(group.get("lr"), Tensor) and not isinstance(saved["lr"], Tensor):\n'
+        '                group["lr"] = group["lr"].item()',
+        '            if isinstance(group.get("lr"), Tensor) and not isinstance(saved["lr"], Tensor):\n'
+        "                pass",
+        "checkpoints carry device-tensor learning rates",
+        S + "test_checkpoints_of_the_whole_step_hold_float_learning_rates_and_the_users_flags",
+        "tests/test_capturable_optimizer.py",
+    ),
+    m(
+        "drivers/full_step.py",
+        "                prepared.plain_state_dict(state)",
+        "                pass",
+        "checkpoints of the whole step carry the capturable optimizer (tensor lr, fused, capturable flags)",
+        S + "test_checkpoints_of_the_whole_step_hold_float_learning_rates_and_the_users_flags",
+    ),
+    m(
+        "rollout.py",
+        "            self.driver.save_checkpoint(trainer.optimizers, checkpoint)",
+        "            pass",
+        "the rollout never asks the driver to clean checkpoints: device-tensor lr in every checkpoint",
+        S + "test_checkpoints_of_the_whole_step_hold_float_learning_rates_and_the_users_flags",
+    ),
+    m(
+        "drivers/whole_step.py",
+        "        copy_into(self.static_batch, batch)",
+        "        pass",
+        "static batch never refreshed: every replayed step trains on the capture step's batch",
+        "tests/test_lifecycle_full.py::test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true",
+        S + "test_every_replayed_whole_step_logs_its_own_loss",
+    ),
+    m(
+        "drivers/whole_step.py",
+        "lambda v: v.detach().clone() if isinstance(v, Tensor) else v",
+        "lambda v: v.detach() if isinstance(v, Tensor) else v",
+        "the step output handed to Lightning is the static tensor: the next replay rewrites earlier steps' outputs",
+        S + "test_outputs_kept_from_replayed_whole_steps_keep_their_values",
+    ),
+    m(
+        "drivers/whole_step.py",
+        "torch.where(bad & (self.first_step < 0), self.current_step, self.first_step)",
+        "torch.where(bad, self.current_step, self.first_step)",
+        "the report names the last non-finite step instead of the first",
+        S + "test_a_nan_loss_of_a_replayed_whole_step_rolls_back_at_the_next_health_check",
+    ),
+    m(
+        "drivers/full_step.py",
+        "        self.flags.current_step.fill_(trainer.global_step)\n",
+        "",
+        "the in-graph non-finite check never learns the step number: the first NaN step is misreported",
+        S + "test_a_nan_loss_of_a_replayed_whole_step_rolls_back_at_the_next_health_check",
+    ),
+    m(
+        "drivers/full_step.py",
+        "if self.machine.agreement.any_of([count > 0])[0]:",
+        "if False:",
+        "NaN losses of replayed whole steps never roll back",
+        S + "test_a_nan_loss_of_a_replayed_whole_step_rolls_back_at_the_next_health_check",
+        "tests/test_lifecycle_full.py",
+    ),
+    m(
+        "drivers/full_step.py",
+        '            if self.config.on_shape_change == "error":\n                raise shape_change_error',
+        "            if False:\n                raise shape_change_error",
+        "on_shape_change='error' ignored under the whole step",
+        S + "test_on_shape_change_error_under_the_whole_step_raises_with_both_shapes",
+    ),
+    m(
+        "drivers/full_step.py",
+        "            if not self.steps.admits(key):\n",
+        "            if False:\n",
+        "a sealed whole step captures new shapes anyway",
+        "tests/test_lifecycle_full.py::test_a_sealed_whole_step_raises_on_a_new_shape",
+        S + "test_a_seal_holds_with_on_shape_change_eager",
+    ),
+    m(
+        "snapshot.py",
+        "                p.copy_(saved)\n",
+        "",
+        "a shadow step keeps the graph's update as well as the eager one: the audited step trains twice",
+        "tests/test_lifecycle_full.py::test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true",
+    ),
+    m(
+        "strategy.py",
+        "            batch = rollout.plan_full_step(self.lightning_module.trainer, batch)",
+        "            rollout.plan_full_step(self.lightning_module.trainer, batch)",
+        "batch_to_device hands back the user's batch: replays read stale static buffers",
+        "tests/test_lifecycle_full.py::test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true",
+    ),
+    m(
+        "strategy.py",
+        "            rollout.on_training_step_output(output)",
+        "            pass",
+        "the captured training_step output is never kept: no loss for replayed steps, no in-graph NaN check",
+        "tests/test_lifecycle_full.py::test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true",
+    ),
+    m(
+        "strategy.py",
+        "    def on_exception(self, exception: BaseException) -> None:\n        self._release()",
+        "    def on_exception(self, exception: BaseException) -> None:\n        pass",
+        "an exception in a whole-step fit leaves the graph and the capturable optimizer in place",
+        "tests/test_lifecycle_full.py::test_an_exception_mid_fit_releases_the_graph_and_gives_the_optimizer_back",
+    ),
+    m(
+        "preflight.py",
+        "    if trainer.accumulate_grad_batches > 1:",
+        "    if trainer.accumulate_grad_batches > 2:",
+        "accumulate_grad_batches=2 accepted under the whole step (its micro-batches skip the graph)",
+        "tests/test_cpu_fit.py::test_full_iteration_refuses_trainer_settings_before_training",
+    ),
+    m(
+        "preflight.py",
+        "    hooked = hooked_modules(module)\n    if hooked:",
+        "    hooked = hooked_modules(module)\n    if False:",
+        "module hooks accepted under the whole step (they run once, at capture)",
+        "tests/test_lifecycle_full.py::test_module_hooks_are_refused_before_training",
+    ),
+    # ------------------------------------------------------------------ scoped: parity, confirmation, replay
+    m(
+        "drivers/scoped.py",
+        "agreed = self.machine.agreement.any_of([not error <= tolerance for _, error in errors])",
+        "agreed = self.machine.agreement.any_of([error > tolerance for _, error in errors])",
+        "NaN passing parity: a graph that returns NaN is trusted",
+        S + "test_a_graph_returning_nan_or_slightly_wrong_values_is_left_eager",
+    ),
+    m(
+        "drivers/evidence.py",
+        "    return torch.stack(errors).max() if errors else torch.zeros(())",
+        "    return torch.stack(errors).nan_to_num(0.0).max() if errors else torch.zeros(())",
+        "parity error 'guarded' against NaN: a graph that returns NaN measures 0",
+        S + "test_a_graph_returning_nan_or_slightly_wrong_values_is_left_eager",
+    ),
+    m(
+        "drivers/scoped.py",
+        "DEFAULT_PARITY_TOL = 1e-4",
+        "DEFAULT_PARITY_TOL = 1e-2",
+        "parity tolerance 100x looser: a forward wrong by 0.1% is trusted",
+        S + "test_a_graph_returning_nan_or_slightly_wrong_values_is_left_eager",
+    ),
+    m(
+        "drivers/scoped.py",
+        "            self.machine.confirm_losses.observe(outputs)\n",
+        "",
+        "NaN in scoped confirmation trusted: confirmation never looks at the losses",
+        S + "test_scoped_graphs_that_give_nan_losses_during_confirmation_roll_back",
+    ),
+    m(
+        "stages.py",
+        "finite = nonfinite_first_step is None and not self.confirm_losses.any_nonfinite()",
+        "finite = nonfinite_first_step is None",
+        "NaN in scoped confirmation trusted: the confirmation losses are never read",
+        S + "test_scoped_graphs_that_give_nan_losses_during_confirmation_roll_back",
+    ),
+    m(
+        "drivers/scoped.py",
+        "if route.backward_order and route.backward_order != expected:",
+        "if False:",
+        "out-of-order backwards share one pool (the order check is skipped)",
+        S + "test_backwards_out_of_reverse_forward_order_roll_back",
+    ),
+    m(
+        "drivers/routing.py",
+        "            self._route.backward_order.append(region.name)",
+        "            pass",
+        "out-of-order backwards share one pool (backward order never recorded)",
+        S + "test_backwards_out_of_reverse_forward_order_roll_back",
+    ),
+    m(
+        "drivers/routing.py",
+        "        with self._preserved([forward.module]):\n",
+        "        if True:\n",
+        "the parity replay draws from the RNG: with dropout the eager forward sees other masks (parity fails)",
+        S + "test_scoped_graphs_with_dropout_pass_parity_and_train_as_eager",
+    ),
+    m(
+        "graphs/state.py",
+        "        torch.set_rng_state(cpu_state)\n",
+        "",
+        "capture and parity leave the CPU generator advanced: dropout masks differ from eager training",
+        S + "test_scoped_graphs_with_dropout_pass_parity_and_train_as_eager",
+    ),
+    m(
+        "graphs/backend.py",
+        "        return module_state_preserved(modules)",
+        "        return contextlib.nullcontext()",
+        "a backend's default capture guard restores nothing: warmup draws and buffer updates leak into training",
+        S + "test_scoped_graphs_with_dropout_pass_parity_and_train_as_eager",
+    ),
+    m(
+        "drivers/routing.py",
+        "        and module.training == signature.training\n",
+        "",
+        "eval-mode replay: a region switched to eval mode still replays its training-mode graph",
+        S + "test_a_region_switched_to_eval_mode_runs_eagerly_in_eval_mode",
+    ),
+    m(
+        "drivers/routing.py",
+        "        if route.accumulating:\n            entry.region.detach_accumulated_grads()\n",
+        "",
+        "first micro-batch gradient overwritten with accumulate_grad_batches=2",
+        S + "test_gradient_accumulation_keeps_the_first_micro_batch_gradient",
+    ),
+    m(
+        "rollout.py",
+        "key, trainer.accumulate_grad_batches > 1, opaque)",
+        "key, False, opaque)",
+        "first micro-batch gradient overwritten: the router is never told the step accumulates",
+        S + "test_gradient_accumulation_keeps_the_first_micro_batch_gradient",
+    ),
+    m(
+        "drivers/scoped.py",
+        "                    entry.parity_checked = False\n",
+        "",
+        "a seal's self-check never re-checks parity",
+        "tests/test_lifecycle_scoped.py::test_sealing_checks_every_captured_shape_against_eager_once_more",
+    ),
+    m(
+        "drivers/scoped.py",
+        "            if not self.graph_sets.admits(batch):\n",
+        "            if False:\n",
+        "a sealed scoped set captures new shapes anyway",
+        "tests/test_lifecycle_scoped.py::test_a_sealed_set_of_shapes_raises_on_a_new_shape_and_names_the_captured_ones",
+        S + "test_a_seal_holds_with_on_shape_change_eager",
+    ),
+    m(
+        "drivers/evidence.py",
+        "            if tensor.data_ptr() != address:\n",
+        "            if False:\n",
+        "a parameter rebound after confirmation is never noticed: graphs read the old storage",
+        "tests/test_lifecycle_scoped.py::test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay",
+        "tests/test_lifecycle_full.py::test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay",
+    ),
+    m(
+        "drivers/evidence.py",
+        "            if tensor.requires_grad is not trainable:\n",
+        "            if False:\n",
+        "an unfrozen parameter gets no gradient from the graphs, silently",
+        "tests/test_lifecycle_scoped.py::test_a_failed_check_rolls_back_loudly_and_trains_on_eagerly",
+    ),
+    m(
+        "graphs/local.py",
+        "    return {name: tensor.data_ptr() for name, tensor in named}",
+        "    return {name: id(tensor) for name, tensor in named}",
+        "addresses by object identity: a .data swap during confirmation is not seen by the region that reads it",
+        "tests/test_lifecycle_scoped.py::test_a_parameter_rebound_mid_step_is_caught_by_the_region_that_reads_it_before_it_replays",
+    ),
+    # ------------------------------------------------------------------ scopes, recording, hooks
+    m(
+        "scopes.py",
+        'enclosing = next((other for other in owner if name.startswith(other + ".")), None)',
+        "enclosing = next((other for other in owner if name.startswith(other)), None)",
+        "layers 10-19 uncaptured: blocks.10 is taken for a part of blocks.1",
+        S + "test_a_model_of_more_than_ten_layers_has_every_layer_captured",
+        "tests/test_scopes.py",
+    ),
+    m(
+        "scopes.py",
+        "numbered = len(parts) > 1 and parts[-1].isdigit() and parts[-2] in _LAYER_CONTAINERS",
+        'numbered = len(parts) > 1 and parts[-1] in "0123456789" and parts[-2] in _LAYER_CONTAINERS',
+        "layers 10 and up are not layers (a one-digit index check)",
+        S + "test_a_model_of_more_than_ten_layers_has_every_layer_captured",
+        "tests/test_scopes.py",
+    ),
+    m(
+        "scopes.py",
+        "    if _is_moe(site.name, site.module):\n        return False\n    if site.attr in _MLP_NAMES",
+        "    if site.attr in _MLP_NAMES",
+        "an MoE block taken for an MLP",
+        "tests/test_scopes.py",
+    ),
+    m(
+        "recording.py",
+        "            if max(per_step) > 1:\n",
+        "            if max(per_step) > 2:\n",
+        "a target called twice per step is captured (one graph serves one call)",
+        "tests/test_hooks_and_recording.py::test_targets_called_twice_or_not_at_all_are_skipped",
+    ),
+    m(
+        "recording.py",
+        "    return sample.requires_grad_(tensor.requires_grad)",
+        "    return sample",
+        "sample inputs lose requires_grad: captured regions compute no input gradient",
+        "tests/test_hooks_and_recording.py::test_sample_inputs_are_detached_clones_that_keep_requires_grad",
+    ),
+    m(
+        "hooks.py",
+        "        for owner, name, original in reversed(stashed):",
+        "        for owner, name, original in stashed:",
+        "overlapping regions' hooks come back in a dict their handles no longer remove from",
+        S + "test_hooks_stashed_for_overlapping_regions_come_back_removable",
+        "tests/test_hooks_and_recording.py",
+    ),
+    m(
+        "hooks.py",
+        "            original.update(registered_meanwhile)",
+        "            pass",
+        "hooks registered during a capture are lost",
+        "tests/test_hooks_and_recording.py",
+    ),
+    m(
+        "signature.py",
+        "    if len(args) > 1 and len({id(a) for a in args}) != len(args):\n        return None\n",
+        "",
+        "attn(x, x) replays a graph captured for attn(x, y)",
+        "tests/test_signature.py",
+    ),
+    # ------------------------------------------------------------------ stages, agreement across ranks
+    m(
+        "stages.py",
+        "        if self.agreement.all_ok(not self.warmup_losses.any_nonfinite()):",
+        "        if not self.warmup_losses.any_nonfinite():",
+        "one-rank NaN in warmup turns graphs off on that rank only (a hang under the whole step)",
+        "tests/test_strict_ranks.py",
+    ),
+    m(
+        "agreement.py",
+        "        return [value > 0 for value in values]",
+        "        return list(flags)",
+        "every rank decides alone (exclusions, rollbacks, captures differ between ranks)",
+        "tests/test_strict_ranks.py",
+        "tests/test_rank_agreement.py",
+    ),
+    m(
+        "stages.py",
+        '        if self.on_failure == "raise":\n',
+        "        if False:\n",
+        "on_failure='raise' rolls back silently instead of raising",
+        "tests/test_lifecycle_scoped.py::test_on_failure_raise_raises_on_a_failed_check_and_releases",
+    ),
+    # ------------------------------------------------------------------ capture passes, regions, shapes
+    m(
+        "drivers/region_capture.py",
+        "        for name in reasons.keys() - replaced:\n            self.regions.exclude(",
+        "        for name in ():\n            self.regions.exclude(",
+        "a region whose capture failed is retried forever (never excluded)",
+        "tests/test_ladder.py",
+        "tests/test_lifecycle_scoped.py",
+    ),
+    m(
+        "drivers/regions.py",
+        "        return [t for t in self.targets if t.name in self.active and t.name not in self.excluded]",
+        "        return [t for t in self.targets if t.name in self.active]",
+        "an excluded region is captured again",
+        "tests/test_ladder.py",
+        "tests/test_scopes_layouts.py",
+    ),
+    m(
+        "drivers/shape_cache.py",
+        "            self._items.move_to_end(key)",
+        "            pass",
+        "the shape cache evicts the oldest capture, not the least recently used",
+        "lightning_cudagraph/drivers/shape_cache.py",
+        "tests/test_lifecycle_full.py::test_rotating_shapes_get_their_own_warmup_and_graphs_and_the_cache_evicts_the_least_recently_used",
+    ),
+    m(
+        "drivers/base.py",
+        "        return 1 if self.captured_any else self.first_eager_steps",
+        "        return self.first_eager_steps",
+        "every new batch shape waits warmup_steps eager steps instead of one",
+        "tests/test_lifecycle_full.py::test_rotating_shapes_get_their_own_warmup_and_graphs_and_the_cache_evicts_the_least_recently_used",
+    ),
+    m(
+        "drivers/base.py",
+        "        if budget is not None and self.report.pool_mib > budget:",
+        "        if budget is not None and self.report.pool_mib > 2 * budget:",
+        "max_pool_mib enforced at twice its value",
+        "tests/test_lifecycle_scoped.py::test_a_failed_check_rolls_back_loudly_and_trains_on_eagerly",
+    ),
+    m(
+        "drivers/te_scoped.py",
+        "every_region_replayed = route.replays >= len(route.graph_set.entries) and route.fallbacks == 0",
+        "every_region_replayed = True",
+        "a fallback inside an FP8 accumulation window: the next micro-batch reuses weights nobody quantized",
+        S + "test_a_fallback_inside_an_fp8_accumulation_window_quantizes_again",
+        "tests/test_lifecycle_te.py",
+    ),
+    m(
+        "graphs/te.py",
+        "            self._quantized_at.pop(graph_key, None)",
+        "            pass",
+        "FP8 weights trusted after a micro-batch with a fallback",
+        "tests/test_fp8_weight_cache.py",
+    ),
+    # ------------------------------------------------------------------ the ladder, health, config, the rest
+    m(
+        "ladder.py",
+        "if math.isnan(reference) or step_ms < reference * (1 - self.margin):",
+        "if math.isnan(reference) or step_ms < reference * (1 + self.margin):",
+        "scope='auto' keeps a level that is slower than the best one",
+        "lightning_cudagraph/ladder.py",
+        "tests/test_ladder.py",
+    ),
+    m(
+        "ladder.py",
+        "    return [*rungs[:1], *reversed(rungs[1:])]",
+        "    return list(rungs)",
+        "scope='auto' climbs narrowest-first instead of trying the widest level next",
+        "tests/test_ladder.py",
+    ),
+    m(
+        "climb.py",
+        "            and self._machine.stage == Stage.REPLAYING\n",
+        "",
+        "scope='auto' times confirming steps (with their eager parity forwards): levels look slower",
+        "tests/test_ladder.py",
+    ),
+    m(
+        "health.py",
+        "        return self.eager_step_ms / self.step_ms",
+        "        return self.step_ms / self.eager_step_ms",
+        "cudagraph/speedup inverted",
+        "tests/test_health.py",
+    ),
+    m(
+        "health.py",
+        '        self.replays = int(state.get("replays", 0))',
+        "        self.replays = 0",
+        "a resumed fit forgets the replays counted before",
+        "tests/test_health.py",
+    ),
+    m(
+        "config.py",
+        '        _check_int(component, "confirm_steps", self.confirm_steps, 1, "pass at least 1")',
+        '        _check_int(component, "confirm_steps", self.confirm_steps, 0, "pass at least 1")',
+        "confirm_steps=0 accepted: graphs trusted without one checked step",
+        "tests/test_config.py",
+    ),
+    m(
+        "environment.py",
+        '    elif register != "0":',
+        "    elif False:",
+        "NCCL_GRAPH_REGISTER=1 with expandable segments accepted (illegal memory accesses under DDP)",
+        "tests/test_config.py",
+    ),
+    m(
+        "bucketing.py",
+        "        index = bisect.bisect_left(buckets, length)",
+        "        index = bisect.bisect_right(buckets, length)",
+        "a sample exactly a bucket long is padded to the next bucket",
+        "tests/test_bucketing.py",
+    ),
+    m(
+        "callback.py",
+        "exception: BaseException) -> None:\n        self.rollout.release()",
+        "exception: BaseException) -> None:\n        pass",
+        "an exception or Ctrl-C leaves forwards patched and graphs alive",
+        "tests/test_lifecycle_scoped.py::test_every_way_a_fit_ends_releases_everything",
+    ),
+    m(
+        "graphs/cuda.py",
+        '    if device.type != "cuda" or not torch.cuda.is_available():\n        return None',
+        '    if device.type == "meta":\n        return None',
+        "a CPU fit picks the CUDA backend (no no_cuda fallback)",
+        "tests/test_cpu_fit.py::test_cpu_fit_trains_eagerly_with_one_no_cuda_warning",
+    ),
+    m(
+        "compiling.py",
+        "                module._compiled_call_impl = compiled if on else None",
+        "                module._compiled_call_impl = compiled",
+        "validation runs the compiled training modules",
+        "lightning_cudagraph/compiling.py",
+    ),
+    m(
+        "batches.py",
+        "        buffer.copy_(value, non_blocking=True)",
+        "        pass",
+        "static batch buffers never take the next batch",
+        "tests/test_lifecycle_full.py::test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true",
+    ),
+    m(
+        "__init__.py",
+        "from lightning_cudagraph.strategy import CUDAGraphStrategy, DDPCUDAGraphStrategy",
+        "from lightning_cudagraph.callback import CUDAGraphCallback as CUDAGraphStrategy\n"
+        "from lightning_cudagraph.callback import CUDAGraphCallback as DDPCUDAGraphStrategy",
+        "the strategies are not registered on import (Trainer(strategy='cudagraph') unknown)",
+        "tests/test_strategies.py",
+    ),
+]
+
+
+# =================================================================== running
+@dataclass
+class Outcome:
+    """What one mutation's run gave: ``caught``, ``survived`` or ``stale``, and the first failing test."""
+
+    index: int
+    mutation: Mutation
+    result: str
+    caught_by: str = ""
+    seconds: float = 0.0
+
+
+def occurrences(mutation: Mutation, root: Path) -> int:
+    """How often the snippet occurs in the file under ``root`` (0 when the file is gone)."""
+    path = root / mutation.file
+    return path.read_text().count(mutation.find) if path.exists() else 0
+
+
+def copy_repository(destination: Path) -> Path:
+    """A copy of the repository's working tree (what the tests import) under ``destination``."""
+    target = destination / "repo"
+    shutil.copytree(REPO, target, ignore=IGNORED)
+    return target
+
+
+def pytest_command(tests: tuple[str, ...]) -> list[str]:
+    """One quiet pytest run of ``tests`` that stops at the first failure."""
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-n",
+        "0",
+        "-p",
+        "no:randomly",
+        f"--timeout={TEST_TIMEOUT_S}",
+        *tests,
+    ]
+
+
+def environment(root: Path) -> dict[str, str]:
+    """The environment of a run in the copy at ``root`` (its package first on the path, no stale bytecode)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def first_failure(output: str) -> str:
+    """The first failing test of a pytest run's short summary (or the first error line)."""
+    match = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    if match:
+        return match.group(1)
+    match = re.search(r"^E\s+(.{0,100})", output, re.MULTILINE)
+    return f"(error) {match.group(1)}" if match else "(a failure outside a test)"
+
+
+def run_mutation(index: int, mutation: Mutation, root: Path) -> Outcome:
+    """Apply one mutation in the copy at ``root``, run its tests, put the file back."""
+    path = root / mutation.file
+    original = path.read_text() if path.exists() else ""
+    if original.count(mutation.find) != 1:
+        return Outcome(index, mutation, "stale", f"snippet found {original.count(mutation.find)} times")
+    started = time.perf_counter()
+    path.write_text(original.replace(mutation.find, mutation.replace, 1))
+    try:
+        done = subprocess.run(  # noqa: S603 (our own pytest command)
+            pytest_command(mutation.tests),
+            cwd=root,
+            env=environment(root),
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return Outcome(
+            index, mutation, "caught", f"(hang: no result in {RUN_TIMEOUT_S} s)", time.perf_counter() - started
+        )
+    finally:
+        path.write_text(original)
+    seconds = time.perf_counter() - started
+    if done.returncode == 0:
+        return Outcome(index, mutation, "survived", "", seconds)
+    if done.returncode in (4, 5):  # usage error or no tests collected: the entry's test names are wrong
+        return Outcome(index, mutation, "stale", f"pytest exit {done.returncode}: {done.stdout[-200:]}", seconds)
+    return Outcome(index, mutation, "caught", first_failure(done.stdout + done.stderr), seconds)
+
+
+def baseline(tests: list[str], roots: list[Path]) -> list[str]:
+    """The selected tests that fail without any mutation (their entries would be caught for nothing).
+
+    The tests are split over the copies, which run at once.
+    """
+    chunks = [tests[j :: len(roots)] for j in range(len(roots))]
+
+    def run(chunk: list[str], root: Path) -> list[str]:
+        if not chunk:
+            return []
+        command = [arg for arg in pytest_command(tuple(chunk)) if arg != "-x"]
+        done = subprocess.run(command, cwd=root, env=environment(root), capture_output=True, text=True)  # noqa: S603
+        return re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.MULTILINE)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(roots)) as pool:
+        return [test for failed in pool.map(run, chunks, roots) for test in failed]
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """The outcomes as a markdown table."""
+    rows = ["| # | file | mutation | result | caught by | s |", "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        file = o.mutation.file.removeprefix(PACKAGE + "/")
+        rows.append(f"| {o.index} | {file} | {o.mutation.description} | {o.result} | {o.caught_by} | {o.seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen mutations; 1 when one survived or is stale."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2, help="mutations run at once (one repository copy each)")
+    parser.add_argument("--only", default="", help="comma-separated entry numbers (1-based)")
+    parser.add_argument("--list", action="store_true", help="list the entries and whether their snippets are found")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the catching tests")
+    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    args = parser.parse_args(argv)
+
+    chosen = [(i, mutation) for i, mutation in enumerate(MUTATIONS, 1)]
+    if args.only:
+        wanted = {int(n) for n in args.only.split(",")}
+        chosen = [(i, mutation) for i, mutation in chosen if i in wanted]
+    modules = {path.relative_to(REPO).as_posix() for path in (REPO / PACKAGE).rglob("*.py")}
+    untouched = sorted(modules - {mutation.file for mutation in MUTATIONS})
+    if args.list:
+        for i, mutation in chosen:
+            print(f"{i:3d} {occurrences(mutation, REPO)}x {mutation.file}: {mutation.description}")
+        print(f"{len(MUTATIONS)} entries; modules without one: {', '.join(untouched) or 'none'}")
+        return 0
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mutations-") as scratch:
+        roots = [copy_repository(Path(scratch) / f"job{j}") for j in range(max(1, args.jobs))]
+        if not args.no_baseline:
+            first_tests = sorted({mutation.tests[0] for _, mutation in chosen})
+            broken = baseline(first_tests, roots)
+            if broken:
+                print(f"unmutated failures (their entries cannot be trusted): {broken}", flush=True)
+        free = list(roots)
+        outcomes: list[Outcome] = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(roots)) as pool:
+            pending = {}
+            queue = list(chosen)
+            while queue or pending:
+                while queue and free:
+                    index, mutation = queue.pop(0)
+                    root = free.pop()
+                    pending[pool.submit(run_mutation, index, mutation, root)] = root
+                done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    free.append(pending.pop(future))
+                    outcome = future.result()
+                    outcomes.append(outcome)
+                    print(
+                        f"[{len(outcomes)}/{len(chosen)}] #{outcome.index} {outcome.result:8s} {outcome.seconds:5.0f}s"
+                        f" {outcome.mutation.file}: {outcome.mutation.description} -> {outcome.caught_by}",
+                        flush=True,
+                    )
+    outcomes.sort(key=lambda o: o.index)
+    text = table(outcomes)
+    print()
+    print(text)
+    if args.markdown is not None:
+        args.markdown.write_text(text + "\n")
+    counts = {result: sum(o.result == result for o in outcomes) for result in ("caught", "survived", "stale")}
+    minutes = (time.perf_counter() - started) / 60
+    print(f"\nmodules without an entry: {', '.join(untouched) or 'none'}; {minutes:.1f} min")
+    print(f"{counts['caught']} caught, {counts['survived']} survived, {counts['stale']} stale")
+    return 0 if counts["survived"] == counts["stale"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
