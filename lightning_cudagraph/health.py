@@ -181,7 +181,8 @@ class CUDAGraphReport:
             'CUDA graphs on (replaying, level layer): speedup 1.50x (eager 3.00 ms/step, graphed 2.00 ms/step)'
         """
         if self.stage == Stage.DISABLED:
-            return f"CUDA graphs off ({self.reason}): trained eagerly"
+            eager = "training went on eagerly" if self.rollbacks else "trained eagerly"
+            return f"CUDA graphs off ({self.reason}): {eager}"
         if self.stage == Stage.WARMUP:
             return "CUDA graphs not captured: the fit ended in the eager warmup (raise max_steps or lower warmup_steps)"
         where = self.stage.label + (f", level {self.level}" if self.level else "")

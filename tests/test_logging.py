@@ -241,6 +241,8 @@ def test_log_every_n_steps_zero_logs_no_graph_metric(tmp_path):
     trainer, callback = fit_with(tmp_path, logger, log_every_n_steps=0)
     assert callback.report.stage == Stage.REPLAYING
     assert not graph_keys(trainer.logged_metrics)
+    written = read_csv(logger) if (Path(logger.log_dir) / "metrics.csv").exists() else {}
+    assert not graph_keys(written)
 
 
 # =================================================================== graphs off from the start: nothing of the package
