@@ -204,8 +204,8 @@ class Entry:
         accumulate: ``accumulate_grad_batches``.
         clip: ``gradient_clip_val`` (``None``: no clipping).
         steps: Optimizer steps of a fit at ``--steps`` 64 (scaled with ``--steps``).
-        layer_modules: ``modules={"layer": ...}`` for the ``layer`` variant where the built-in ``layer`` patterns
-            find nothing (what the package's refusal tells a user to pass).
+        layer_modules: ``modules={"layer": ...}`` (a glob or a class) for the ``layer`` variant where the built-in
+            ``layer`` patterns find nothing (what the package's refusal tells a user to pass).
     """
 
     name: str
@@ -216,7 +216,7 @@ class Entry:
     accumulate: int = 1
     clip: float | None = None
     steps: int = 64
-    layer_modules: str | None = None
+    layer_modules: str | type[nn.Module] | None = None
 
 
 def missing_libraries(entry: Entry) -> list[str]:
@@ -722,7 +722,7 @@ ENTRIES: tuple[Entry, ...] = (
         ("torchaudio",),
         "torchaudio Wav2Letter, CTC loss",
         build_wav2letter,
-        layer_modules="net.acoustic_model.*",
+        layer_modules=nn.Conv1d,  # its Sequential also holds ReLU(inplace=True), which is no region of its own
     ),
 )
 
