@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_cudagraph import CUDAGraphCallback  # importing the package registers the cudagraph* strategy names
 
-#: Without CUDA, these config values are capped (a smaller value given is kept): 60 steps of a 2-layer, 128-wide GPT
-#: instead of 100 of the 6-layer, 256-wide one, validated every 30 steps; the data and the batches are the same.
-CPU_PRESET = {"trainer.max_steps": 60, "trainer.val_check_interval": 30, "trainer.log_every_n_steps": 20,
+#: Without CUDA, these config values are capped (a smaller value given is kept): 40 steps of a 2-layer, 128-wide GPT
+#: instead of 100 of the 6-layer, 256-wide one, validated every 20 steps; the data and the batches are the same.
+CPU_PRESET = {"trainer.max_steps": 40, "trainer.val_check_interval": 20, "trainer.log_every_n_steps": 20,
               "model.n_layer": 2, "model.width": 128}  # fmt: skip
 
 

@@ -82,7 +82,7 @@ def test_without_cuda_the_preset_caps_the_run_and_keeps_smaller_values(monkeypat
     assert cli.trainer.val_check_interval == CPU_PRESET["trainer.val_check_interval"]
     assert (cli.model.hparams.n_layer, cli.model.hparams.width) == (2, 128)
     assert (cli.datamodule.hparams.batch_size, cli.datamodule.hparams.seq_len) == (8, 128), "the same batches"
-    assert "trainer.max_steps 100 -> 60" in capsys.readouterr().out
+    assert "trainer.max_steps 100 -> 40" in capsys.readouterr().out
 
     cli = GPTCLI(GPTModule, TokenDataModule, run=False, args=[*base, "--trainer.max_steps=5", "--model.n_layer=1"])
     assert (cli.trainer.max_steps, cli.model.hparams.n_layer) == (5, 1)
