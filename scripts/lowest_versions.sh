@@ -3,23 +3,23 @@
 #
 #   scripts/lowest_versions.sh DIR
 #
-# The floors are read from pyproject.toml (`name>=X` becomes `name==X`) for the packages in LOWEST_PINNED
-# (default: torch lightning torchmetrics jsonargparse pytest); the rest of `.[test]` is resolved by pip against
-# them. The interpreter is the lowest `requires-python` allows where one can be found (LOWEST_PYTHON overrides it).
+# The floors are read from pyproject.toml (`name>=X` becomes `name==X`) for the packages in LOWEST_PINNED (default:
+# torch lightning torchmetrics transformers jsonargparse pytest); pip resolves the rest of `.[test]` against them.
+# The interpreter is the lowest that `requires-python` allows where one can be found (LOWEST_PYTHON overrides it).
 # typing-extensions is not pinned in the venv (today's test tools need newer ones); instead the package is imported
-# with its floor put first on the path. torch before 2.5 ships CUDA builds only on PyPI (about 3 GB with its nvidia
-# libraries), so the big wheels are kept in a wheelhouse, LCG_WHEELHOUSE (default: ~/.cache/lightning-cudagraph/
-# wheels), and downloaded once. Then, for example:
+# with its floor first on the path. torch on PyPI is a CUDA build for Linux (about 3 GB with its nvidia
+# libraries, which a CPU machine imports fine), so that download is kept in a wheelhouse, LCG_WHEELHOUSE (default:
+# ~/.cache/lightning-cudagraph/wheels), and made once. Then, for example:
 #   DIR/bin/python -m pytest -q
 set -euo pipefail
 
 if [[ $# -ne 1 || $1 == -h || $1 == --help ]]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 venv=$1
 root="$(cd "$(dirname "$0")/.." && pwd)"
-pinned=${LOWEST_PINNED:-torch lightning torchmetrics jsonargparse pytest}
+pinned=${LOWEST_PINNED:-torch lightning torchmetrics transformers jsonargparse pytest}
 wheelhouse=${LCG_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/lightning-cudagraph/wheels}
 
 # Prints one line per floor, "name==version", for the names given, from every requirement in pyproject.toml.
