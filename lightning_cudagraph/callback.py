@@ -40,7 +40,8 @@ class CUDAGraphCallback(Callback):
     (``on_failure="raise"``). Graphs are released on fit end, on early stopping and on every exception (Ctrl-C
     included), after which the model is exactly as it was.
 
-    Logged Metrics (through every logger of the Trainer, every ``log_every_n_steps``, rank zero):
+    Logged Metrics (through Lightning's ``log_dict`` every ``log_every_n_steps``: in the rows of your own metrics,
+    in ``trainer.logged_metrics`` and ``callback_metrics``; nothing when graphs are off from the start):
         ``cudagraph/stage`` (0 eager warmup, 1 confirming, 2 replaying, -1 rolled back or disabled),
         ``cudagraph/graphs``, ``cudagraph/replays``, ``cudagraph/fallbacks``, ``cudagraph/capture_ms``,
         ``cudagraph/pool_mib``, ``cudagraph/step_ms``, ``cudagraph/eager_step_ms``, ``cudagraph/speedup``,

@@ -77,11 +77,12 @@ OPTION_DOCS: dict[str, str] = {
     " :meth:`~lightning_cudagraph.CUDAGraphCallback.seal` closes it by hand). A seal taken before the first"
     " capture (during the eager warmup steps) closes the set to the shape that warmup captures: that shape is"
     " still captured when warmup ends, and any other shape raises.",
-    "audit_every_n_steps": "The whole step's numerics guard: every this many replayed steps, one step is checked"
-    " against the eager step from the same state on the same batch (a shadow step: the graph replays, the state is"
-    " put back, the step runs eagerly and is kept; loss and parameter update must agree). A failure rolls back"
-    " (or raises with ``on_failure=\"raise\"``). Every newly captured shape gets one during confirmation whatever"
-    " this says. ``None`` or 0: confirmation only. It costs about one eager step per interval.",
+    "audit_every_n_steps": "The numerics guard: every this many replayed steps, the graphs are checked against"
+    " eager on a real batch. The whole step runs a shadow step (the graph replays, the state is put back, the step"
+    " runs eagerly and is kept; loss and parameter update must agree); scoped graphs check one region's forward"
+    " against eager (round-robin). A failure rolls back (or raises with ``on_failure=\"raise\"``); a region that"
+    " fails is left eager. Every captured whole step is also shadow-checked on its capture step. ``None`` or 0:"
+    " confirmation only. Each audit costs about one eager step.",
     "compile": "``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about"
     " to be captured, compiled during the eager warmup steps, then held by the graphs) or a dict of"
     ' ``torch.compile`` arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or'
@@ -156,7 +157,7 @@ class CUDAGraphConfig:
     parity_tol: float | None = None
     max_pool_mib: float | None = None
     seal_after_steps: int | None = None
-    audit_every_n_steps: int | None = 500
+    audit_every_n_steps: int | None = 1000
     compile: CompileOptions | None = field(default=None, metadata=_accepts(bool | Mapping[str, Any]))
 
     @classmethod

@@ -14,6 +14,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("jsonargparse", reason="LightningCLI's parser (the `examples` and `test` extras install it)")
 from jsonargparse import ArgumentParser
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy

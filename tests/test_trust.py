@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import UserDict
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,3 +271,33 @@ def test_the_audit_catches_a_graph_that_goes_wrong_in_the_steady_state():
     assert report.steps_replayed > 0
     wrong_steps = max_param_diff(eager.params, parameters_of(run.model))
     assert wrong_steps < 0.1, "at most the steps between two audits trained on the wrong graph"
+
+
+def test_scoped_graphs_are_audited_round_robin_and_a_region_gone_wrong_is_caught():
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, audit_every_n_steps=3)
+    callback.capture_backend = FakeBackend()
+    fit(*decoder(TINY), 16, [callback], **CPU)
+    assert callback.report.stage == Stage.REPLAYING
+    assert callback.report.audits >= 3 and callback.report.parity_err < 1e-6
+
+    class GoesWrong(FakeBackend):
+        def capture_regions(self, calls, warmup_iters, capture=None):
+            captured = super().capture_regions(calls, warmup_iters, capture)
+            for region in captured.regions:
+                region._distort = 1.0  # right during confirmation ...
+            self.later = captured.regions
+            return captured
+
+    backend = GoesWrong()
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, audit_every_n_steps=3)
+    callback.capture_backend = backend
+
+    class Corrupt(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == WARMUP + 4:
+                for region in backend.later:
+                    region._distort = 1.5  # ... and wrong in the steady state
+
+    with pytest.warns(UserWarning, match="parity"):
+        fit(*decoder(TINY), 20, [callback, Corrupt()], **CPU)
+    assert callback.report.exclusions or callback.report.rollbacks, "the audit did not notice"

@@ -101,8 +101,12 @@ class Driver(ABC):
         """Roll back loudly (or raise); the failed capture already undid its partial work."""
         self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)
 
-    def _captured(self, started: float, graphs: int) -> bool:
-        """Count a capture and its memory; roll back if the pool is over budget. Returns whether to go on."""
+    def _captured(self, started: float, graphs: int, undo: Callable[[], None] | None = None) -> bool:
+        """Count a capture and its memory; roll back if the pool is over budget. Returns whether to go on.
+
+        ``undo`` runs before a rollback (it puts back what the capture's Python changed, before release gives the
+        optimizers back).
+        """
         self.report.captures += 1
         self.captured_any = True
         self.report.graphs = graphs
@@ -112,6 +116,8 @@ class Driver(ABC):
             return True
         self.report.pool_mib = self.backend.pool_mib()
         if budget is not None and self.report.pool_mib > budget:
+            if undo is not None:
+                undo()
             self.machine.rollback(f"memory_budget: graphs hold {self.report.pool_mib:.1f} MiB > {budget} MiB")
             return False
         return True

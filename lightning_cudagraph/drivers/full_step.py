@@ -283,8 +283,7 @@ class FullStepDriver(Driver):
             return False
         self.steps.add(plan.key, whole)
         self._sightings.pop(plan.key, None)
-        if not self._captured(started, len(self.steps)):
-            before.restore()
+        if not self._captured(started, len(self.steps), undo=before.restore):
             return False
         updated = metrics.changed()
         if updated:

@@ -74,8 +74,10 @@ class RegionCapturer:
         error: Exception | None = None
         started = time.perf_counter()
         try:
-            with self.backend.preserved(modules), self.backend.failure_guard(), hooks_stashed(modules):
+            with self.backend.preserved(modules), self.backend.failure_guard() as guard, hooks_stashed(modules):
                 captured = self.backend.capture_regions(calls, warmup_iters, how)
+                if captured.failed and guard is not None:  # reported, not raised: the generator is still put back
+                    guard.mark_failed()
         except Exception as err:  # a failed capture must not end training silently, nor leak anything
             error, captured = err, RegionCaptures()
         finally:

@@ -77,6 +77,7 @@ class ScopedDriver(Driver):
         self._autocast = False
         self._microbatches = 1
         self._pending_problem: str | None = None
+        self._since_audit = 0
 
     def start(self, trainer: pl.Trainer) -> None:
         """Patch the targets' forwards: from now on every call goes through the router."""
@@ -100,7 +101,26 @@ class ScopedDriver(Driver):
         if graph_set is None:
             graph_set = self._graph_set_for(batch)
         if graph_set is not None:
+            self._audit_when_due(graph_set)
             self._begin_graphed_step(graph_set, step, graph_set.confirm_left > 0, accumulating)
+
+    def _audit_when_due(self, graph_set: GraphSet) -> None:
+        """Every ``audit_every_n_steps`` replayed steps, check one region again (round-robin) as confirmation did.
+
+        The region's forward graph replays beside the eager forward on the step's real inputs (parity), and the
+        step checks addresses and backward order; a region that fails is excluded (or the fit rolls back), loudly.
+        """
+        every = self.config.audit_every_n_steps
+        if not every or self.machine.stage != Stage.REPLAYING or graph_set.confirm_left > 0 or not graph_set.entries:
+            return
+        self._since_audit += 1
+        if self._since_audit < every:
+            return
+        indices = sorted(graph_set.entries)
+        graph_set.entries[indices[self.report.audits % len(indices)]].parity_checked = False
+        graph_set.confirm_left = 1
+        self._since_audit = 0
+        self.report.audits += 1
 
     def _begin_graphed_step(self, graph_set: GraphSet, step: int, confirming: bool, accumulating: bool) -> None:
         self.router.begin(StepRoute(graph_set=graph_set, confirming=confirming, accumulating=accumulating))

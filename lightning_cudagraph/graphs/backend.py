@@ -150,6 +150,10 @@ class CaptureBackend(ABC):
         """Random-number state and the modules' buffers, restored on exit (a capture leaves no trace)."""
         return module_state_preserved(modules)
 
-    def failure_guard(self) -> contextlib.AbstractContextManager[None]:
-        """Undo what a failed capture leaves behind in the device's random-number state."""
+    def failure_guard(self) -> contextlib.AbstractContextManager[Any]:
+        """Undo what a failed capture leaves behind in the device's random-number state.
+
+        Yields an object whose ``mark_failed()`` a capture that reports its failure (instead of raising) calls, or
+        ``None`` where there is nothing to undo.
+        """
         return contextlib.nullcontext()

@@ -151,7 +151,7 @@ class CUDABackend(CaptureBackend):
         with cuda_rng_preserved(self.device), module_state_preserved(modules):
             yield
 
-    def failure_guard(self) -> contextlib.AbstractContextManager[None]:
+    def failure_guard(self) -> contextlib.AbstractContextManager[Any]:
         """The CUDA generator back to its pre-capture state after a failed capture."""
         return cuda_generator_guard(self.device)
 

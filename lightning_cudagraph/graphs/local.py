@@ -48,6 +48,8 @@ class GraphedRegion:
     on_backward: Callable[[GraphedRegion], None] | None = None
     addresses: dict[str, int] = field(default_factory=dict)
     returns_one_tensor: bool = False
+    #: Set under gradient accumulation: the backward hands autograd copies of the parameter gradients.
+    copy_param_grads: bool = False
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Replay the region for a call whose signature matched, rebuilding the module's output structure."""
@@ -66,11 +68,14 @@ class GraphedRegion:
             return [out.clone() for out in self.static_outputs]
 
     def detach_accumulated_grads(self) -> None:
-        """Give parameters whose ``.grad`` is this region's gradient buffer a copy, before the buffer is rewritten.
+        """With gradient accumulation: hand autograd copies of the parameter gradients from now on.
 
-        Autograd adopts the returned gradient buffer as ``param.grad`` when ``grad`` is ``None``; the next backward
-        replay would overwrite it, so with gradient accumulation the adopted buffer is copied out first.
+        Autograd adopts a returned gradient as ``param.grad`` when ``grad`` is ``None``; the next backward replay
+        rewrites the graph's buffer, and an adopted buffer would lose the gradients accumulated in it. A copy per
+        micro-batch can never be rewritten (on the H200, tracking which buffer was adopted missed cases on
+        Hugging Face layers). A parameter already holding the buffer gets a copy too.
         """
+        self.copy_param_grads = True
         for param, buffer in zip(self.params, self.static_grad_inputs[len(self.static_inputs) :], strict=True):
             grad = param.grad
             if grad is not None and buffer is not None and grad.data_ptr() == buffer.data_ptr():
@@ -126,7 +131,14 @@ class _GraphedCall(torch.autograd.Function):
                 static.copy_(grad)
         if region.bwd_graph is not None:
             region.bwd_graph.replay()
-        return (None, *(g.detach() if g is not None else None for g in region.static_grad_inputs))
+        inputs = len(region.static_inputs)
+        return (
+            None,
+            *(
+                None if g is None else g.clone() if region.copy_param_grads and i >= inputs else g.detach()
+                for i, g in enumerate(region.static_grad_inputs)
+            ),
+        )
 
 
 def capture_regions(

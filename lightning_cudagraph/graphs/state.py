@@ -55,14 +55,32 @@ def cuda_rng_preserved(device: torch.device) -> Iterator[None]:
         torch.cuda.set_rng_state(state, index)
 
 
+class GeneratorGuard:
+    """What :func:`cuda_generator_guard` yields: a capture that failed without raising marks it here."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def mark_failed(self) -> None:
+        """A capture in the guarded block failed and reported it (a region capture pass does not raise)."""
+        self.failed = True
+
+
 @contextlib.contextmanager
-def cuda_generator_guard(device: torch.device) -> Iterator[None]:
-    """On an exception, give the device's default CUDA generator back its pre-capture state, then re-raise."""
+def cuda_generator_guard(device: torch.device) -> Iterator[GeneratorGuard]:
+    """After a failed capture, give the device's default CUDA generator back its pre-capture state.
+
+    A failure is an exception out of the block (re-raised) or one the block marks on the yielded guard. A capture
+    that worked keeps the generator as it is: its graph holds the generator's state and advances it on replay.
+    """
     generator = torch.cuda.default_generators[device_index(device)]
     snapshot = generator.clone_state() if hasattr(generator, "clone_state") else None
+    guard = GeneratorGuard()
     try:
-        yield
+        yield guard
     except BaseException:
         if snapshot is not None:
             generator.graphsafe_set_state(snapshot)
         raise
+    if guard.failed and snapshot is not None:
+        generator.graphsafe_set_state(snapshot)
