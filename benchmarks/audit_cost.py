@@ -16,7 +16,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.variants import CONFIGS, _model_and_data
+from benchmarks.variants import CONFIGS, _model_and_data, timing_trainer
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
 from lightning_cudagraph.config import CUDAGraphConfig
 
@@ -48,18 +48,7 @@ def fit(config: dict, scope: str, every: int, steps: int) -> tuple[float, int]:
         strategy, callbacks = CUDAGraphStrategy(scope=["full_iteration"], **options), [clock]
     else:
         strategy, callbacks = "auto", [clock, CUDAGraphCallback(scope=[scope], **options)]
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        max_steps=steps,
-        strategy=strategy,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = timing_trainer(steps, callbacks, strategy)
     trainer.fit(model, data)
     graph = next(cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback))
     return clock.seconds, graph.report.audits

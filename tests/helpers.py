@@ -193,3 +193,17 @@ def level_of(backend: FakeBackend) -> str:
 def timed_by_level(table: dict[str, float]) -> Callable[[FakeBackend], float]:
     """A fake timer's ``step_ms``: the step time of the level each step ran at."""
     return lambda backend: table[level_of(backend)]
+
+
+def older_than(package: str, version: str) -> bool:
+    """Whether the installed ``package`` is older than ``version`` (CI also runs the suite at the declared floors)."""
+    from importlib.metadata import version as installed
+
+    from packaging.version import Version
+
+    return Version(installed(package).split("+")[0]) < Version(version)
+
+
+#: At the floors (torch 2.6, lightning 2.4) a few behaviours of the libraries themselves differ; their tests say which.
+OLD_TORCH = older_than("torch", "2.7")
+OLD_LIGHTNING = older_than("lightning", "2.5")

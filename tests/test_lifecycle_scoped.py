@@ -309,14 +309,18 @@ class _WithMetricInside(DecoderModule):
         self.model.blocks[0].mlp = _MetricInside(self.model.blocks[0].mlp)
 
 
-def test_a_metric_updated_inside_a_region_rolls_back_with_the_fix():
+def test_a_metric_updated_inside_a_region_leaves_that_region_eager_with_the_fix():
+    # torchmetrics' update syncs with the host (its NaN check), so the region's capture fails, as on CUDA: the region
+    # stays eager (its metric counts every step), the others keep their graphs, and the reason names the metric.
     backend = FakeBackend()
     callback = graphed(backend, scope=["mlp"])
     with pytest.warns(UserWarning, match="metric_in_graph"):
         run = fit(*decoder(TINY, module=_WithMetricInside), STEPS, [callback], **CPU)
-    assert callback.report.rollback_reasons[0].startswith("metric_in_graph")
-    assert "model.blocks.0.mlp.mean" in callback.report.rollback_reasons[0]
-    assert "on_train_batch_end" in callback.report.rollback_reasons[0]
+    reason = callback.report.exclusions["model.blocks.0.mlp"]
+    assert reason.startswith("metric_in_graph") and "model.blocks.0.mlp.mean" in reason
+    assert "on_train_batch_end" in reason
+    assert callback.report.stage == Stage.REPLAYING
+    assert run.model.model.blocks[0].mlp.mean.update_count == STEPS
     assert_released(run.model, backend)
 
 

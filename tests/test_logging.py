@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 from lightning_cudagraph import CUDAGraphCallback, Stage
 from lightning_cudagraph.health import ProgressBarItems
 from tests.fake_backend import FakeBackend
-from tests.helpers import cpu_trainer
+from tests.helpers import OLD_LIGHTNING, cpu_trainer
 from tests.models import TINY, TINY_DATA, decoder
 
 MAX_STEPS, LOG_EVERY, WARMUP = 6, 2, 2
@@ -311,6 +311,9 @@ def test_the_bar_shows_nothing_when_graphs_are_off(tmp_path, reason):
     assert not graph_keys(trainer.progress_bar_metrics)
 
 
+@pytest.mark.skipif(
+    OLD_LIGHTNING, reason="rich raises IndexError (pop from empty list) under lightning 2.4 (seen at the floors)"
+)
 def test_the_rich_bar_shows_the_stage_by_name(tmp_path):
     pytest.importorskip("rich")
     reader = BarReader()

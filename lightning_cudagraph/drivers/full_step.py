@@ -19,24 +19,18 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 
 from lightning_cudagraph._lightning import set_closure_result, step_loss
 from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason, own_copy
 from lightning_cudagraph.drivers.base import Driver, shape_change_error
 from lightning_cudagraph.drivers.evidence import MetricUpdates, StateWatch
+from lightning_cudagraph.drivers.shadow import compare, precision_state
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.drivers.whole_step import NonFiniteFlags, WholeStep
 from lightning_cudagraph.graphs.backend import PreparedOptimizer
 from lightning_cudagraph.graphs.optimizers import OptimizerSettings
 from lightning_cudagraph.health import Stage
 from lightning_cudagraph.snapshot import TrainingState
-
-#: Largest relative difference a shadow step allows between the graph's and the eager step's parameter update (and
-#: loss): run-to-run noise of the same kernels is orders of magnitude below, while a wrong batch, a frozen
-#: hyperparameter or stale storage moves the update by about its own size.
-SHADOW_TOL = {False: 1e-3, True: 5e-2}  # by whether the step runs under autocast
-FULL_PRECISIONS = ("32", "32-true", "64", "64-true")
 
 
 @dataclass(frozen=True)
@@ -190,7 +184,7 @@ class FullStepDriver(Driver):
         return self._replay(whole, trainer, closure, module)
 
     def _state_before_step(self, trainer: pl.Trainer, module: Any) -> TrainingState:
-        return TrainingState.take(module, self._user_optimizers, self.backend.device, self._precision_state(trainer))
+        return TrainingState.take(module, self._user_optimizers, self.backend.device, precision_state(trainer))
 
     def _audit_every(self) -> int:
         return self.config.audit_every_n_steps or 2**62  # None or 0: no audit after confirmation
@@ -216,30 +210,13 @@ class FullStepDriver(Driver):
         state.restore()
         output = _eager(run_step)
         state.keep_gradient_buffers()
-        eager_loss = step_loss(output)
-        error = state.update_error_of(graph_params)
-        if graph_loss is not None and eager_loss is not None:
-            error = torch.maximum(error, _relative(graph_loss.detach(), eager_loss.detach()).to(error.device))
-        losses = [graph_loss, eager_loss] if graph_loss is not None and eager_loss is not None else []
-        value, *shown = torch.stack([error.float(), *(loss.detach().float().mean() for loss in losses)]).tolist()
-        self.report.parity_err = value if math.isnan(self.report.parity_err) else max(self.report.parity_err, value)
+        verdict = compare(trainer, state, graph_params, graph_loss, step_loss(output))
         self.report.audits += 1
-        tolerance = SHADOW_TOL[str(trainer.precision) not in FULL_PRECISIONS]
-        if not value <= tolerance:  # NaN fails too
-            where = f" (loss {shown[0]:.6g} graphed, {shown[1]:.6g} eager)" if shown else ""
-            self.machine.rollback(
-                f"parity: the whole-step graph is off the eager step from the same state by {value:.3g} (allowed"
-                f" {tolerance:g}) at step {trainer.global_step}{where}; the eager step was kept. A graph that reads"
-                " a stale buffer, a frozen setting or a wrong batch does this"
-            )
+        previous = self.report.parity_err
+        self.report.parity_err = verdict.error if math.isnan(previous) else max(previous, verdict.error)
+        if not verdict.passed:
+            self.machine.rollback(verdict.reason(trainer.global_step))
         return output
-
-    @staticmethod
-    def _precision_state(trainer: pl.Trainer) -> list[Tensor]:
-        """Device tensors of the precision plugin that a step moves (the grad scaler's scale and growth tracker)."""
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        held = (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
-        return [t for t in held if isinstance(t, Tensor)]
 
     def _capture(
         self,
@@ -278,8 +255,12 @@ class FullStepDriver(Driver):
             if whole.graph is not None:
                 whole.graph.reset()
                 whole.graph = None
+            updated = metrics.changed()  # before the state (update counters included) is put back
             before.restore()
-            self._capture_failed(error or RuntimeError("the capture failed on another rank"))
+            if updated and error is not None:  # torchmetrics' own host syncs fail the capture: name the cause
+                self.machine.rollback(_metric_in_graph(updated, f" (its capture failed: {error})"), error)
+            else:
+                self._capture_failed(error or RuntimeError("the capture failed on another rank"))
             return False
         self.steps.add(plan.key, whole)
         self._sightings.pop(plan.key, None)
@@ -288,11 +269,7 @@ class FullStepDriver(Driver):
         updated = metrics.changed()
         if updated:
             before.restore()
-            self.machine.rollback(
-                f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside the captured training_step;"
-                " a replay would not count their updates. Fix: update them in on_train_batch_end from the step's"
-                " outputs, or use a scoped capture (scope=['layer'])"
-            )
+            self.machine.rollback(_metric_in_graph(updated))
             return False
         for optimizer in self._user_optimizers:  # what this graph bakes in
             self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
@@ -382,9 +359,12 @@ class FullStepDriver(Driver):
                 optimizer.restore()
 
 
-def _relative(a: Tensor, b: Tensor) -> Tensor:
-    """``|a - b| / |b|`` of two losses, as a device scalar."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).reshape(())
+def _metric_in_graph(updated: list[str], failure: str = "") -> str:
+    return (
+        f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside the captured training_step{failure};"
+        " a replay would not count their updates. Fix: update them in on_train_batch_end from the step's outputs,"
+        " or use a scoped capture (scope=['layer'])"
+    )
 
 
 def _eager(run_step: Callable[[], Any]) -> Any:

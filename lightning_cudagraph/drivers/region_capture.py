@@ -18,6 +18,7 @@ from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.graphs.backend import CaptureBackend, Region, RegionCapture, RegionCaptures
 from lightning_cudagraph.hooks import hooks_stashed
 from lightning_cudagraph.recording import RecordedCall
+from lightning_cudagraph.snapshot import TrainingState
 from lightning_cudagraph.stages import StageMachine
 
 
@@ -41,6 +42,8 @@ class RegionCapturer:
         self.config, self.backend, self.machine, self.regions = config, backend, machine, regions
         #: Update counts of the metrics inside the last pass's regions, taken before it.
         self.metrics = MetricUpdates([])
+        #: The metrics inside the regions that the last pass's warmup and capture updated (then put back).
+        self.updated: list[str] = []
 
     def capture(
         self,
@@ -71,6 +74,8 @@ class RegionCapturer:
         """One capture pass, its outcome agreed by every rank; ``None`` when it failed as a whole (rolled back)."""
         modules = [call.module for call in calls]
         self.metrics = MetricUpdates((call.name, call.module) for call in calls)
+        # Warmup and capture run the regions' Python: metric updates and counters in them are put back after.
+        before = [TrainingState.take(module) for module in {id(m): m for m in modules}.values()]
         error: Exception | None = None
         started = time.perf_counter()
         try:
@@ -82,6 +87,9 @@ class RegionCapturer:
             error, captured = err, RegionCaptures()
         finally:
             self.machine.report.capture_ms_total += (time.perf_counter() - started) * 1e3
+            self.updated = self.metrics.changed()
+            for state in before:
+                state.restore()
         # One collective: did the pass fail as a whole on any rank, and which regions failed on any rank.
         whole, *agreed = self.machine.agreement.any_of([error is not None, *(c.name in captured.failed for c in calls)])
         if whole:
@@ -100,7 +108,7 @@ class RegionCapturer:
         """Leave the regions that failed eager (a layer: its parts instead); ``False`` if nothing is left to try."""
         for region in captured.regions:  # one pass, one pool: the others are captured again
             region.reset()
-        reasons = {name: f"capture_failed: {type(e).__name__}: {e}" for name, e in captured.failed.items()}
+        reasons = {name: self._failure_reason(name, e, self.updated) for name, e in captured.failed.items()}
         if self.config.on_failure == "raise" and not self.config.auto_scope:  # a fixed scope: the user's choice
             name = next(iter(reasons))
             self.machine.rollback(f"{name}: {reasons[name]}", captured.failed[name])
@@ -111,11 +119,27 @@ class RegionCapturer:
             self.regions.exclude(name, reasons[name], warn=bool(left))
         if not left:
             first = next(iter(reasons.values()))
+            if first.startswith("metric_in_graph"):  # the cause the user can act on, with its fix
+                self.machine.rollback(first, captured.failed[next(iter(reasons))])
+                return False
             self._failed(
                 RuntimeError(f"no region could be captured; {len(self.regions.excluded)} failed, last: {first}")
             )
             return False
         return True
+
+    @staticmethod
+    def _failure_reason(name: str, error: Exception, updated: list[str]) -> str:
+        """Why a region's capture failed: a torchmetrics update inside it (its host sync) comes first, with the fix."""
+        inside = [metric for metric in updated if metric.startswith(f"{name}.")]
+        if inside:
+            return (
+                f"metric_in_graph: torchmetrics metric(s) {inside} are updated inside the captured region {name}"
+                f" (its capture failed: {type(error).__name__}: {error}); a replay would not count their updates."
+                " Fix: update metrics in training_step or on_train_batch_end from the step's outputs, outside the"
+                " captured modules"
+            )
+        return f"capture_failed: {type(error).__name__}: {error}"
 
     def _failed(self, error: Exception) -> None:
         self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)

@@ -272,7 +272,7 @@ class ScopedDriver(Driver):
         self._autocast = self._autocast or any(region.signature.autocast[0] for region in regions)
         if not self._captured(started, sum(len(s.entries) for s in self.graph_sets.values())):
             return False
-        updated = self.capturer.metrics.changed()
+        updated = self.capturer.updated
         if updated:
             self.machine.rollback(
                 f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside a captured region; a replay"
