@@ -198,6 +198,13 @@ MUTATIONS: list[Mutation] = [
         S + "test_the_whole_step_with_dropout_trains_as_eager",
     ),
     m(
+        "drivers/shadow.py",
+        "        return self.error <= self.tolerance",
+        "        return not self.error > self.tolerance",
+        "NaN passing the whole step's shadow check: a graph whose step is NaN is trusted",
+        S + "test_a_whole_step_shadow_step_that_gives_nan_fails_and_keeps_training_eager",
+    ),
+    m(
         "strategy.py",
         "            batch = rollout.plan_full_step(self.lightning_module.trainer, batch)",
         "            rollout.plan_full_step(self.lightning_module.trainer, batch)",

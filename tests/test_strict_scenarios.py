@@ -401,3 +401,14 @@ def test_when_every_region_fails_its_capture_the_fit_rolls_back_once_and_names_t
     assert sorted(report.exclusions) == [f"model.blocks.{i}" for i in range(TINY["n_layer"])]
     assert len(backend.warmup_iters_per_pass) == TINY["n_layer"], "one pass per region, each without the ones before"
     assert backend.regions == [] and patched_forwards(run.model) == []
+
+
+def test_a_whole_step_shadow_step_that_gives_nan_fails_and_keeps_training_eager():
+    from lightning_cudagraph.drivers.shadow import Verdict
+
+    assert not Verdict(error=float("nan"), tolerance=1e-3).passed, "a NaN difference from eager passed"
+    with pytest.warns(UserWarning, match="rolled back to eager training: parity"):
+        run = fit(*decoder(TINY), STEPS, [PoisonWeightAt(WARMUP)], strategy=whole_step(), **CPU)
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1), report.rollback_reasons
+    assert " by nan " in report.rollback_reasons[0], report.rollback_reasons
