@@ -80,7 +80,7 @@ OPTION_DOCS: dict[str, str] = {
     "audit_every_n_steps": "The numerics guard: every this many replayed steps, the graphs are checked against"
     " eager on a real batch. The whole step runs a shadow step (the graph replays, the state is put back, the step"
     " runs eagerly and is kept; loss and parameter update must agree); scoped graphs check one region's forward"
-    " against eager (round-robin). A failure rolls back (or raises with ``on_failure=\"raise\"``); a region that"
+    ' against eager (round-robin). A failure rolls back (or raises with ``on_failure="raise"``); a region that'
     " fails is left eager. Every captured whole step is also shadow-checked on its capture step. ``None`` or 0:"
     " confirmation only. Each audit costs about one eager step.",
     "compile": "``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about"
@@ -225,9 +225,7 @@ class CUDAGraphConfig:
         if self.seal_after_steps is not None:
             _check_int(component, "seal_after_steps", self.seal_after_steps, 1, "pass an optimizer step, or None")
         if self.audit_every_n_steps is not None:
-            _check_int(
-                component, "audit_every_n_steps", self.audit_every_n_steps, 0, "pass a number of steps, or None"
-            )
+            _check_int(component, "audit_every_n_steps", self.audit_every_n_steps, 0, "pass a number of steps, or None")
         self._validate_parity_tol(component)
         self._validate_max_graphs(component)
         self._validate_scope(component)
