@@ -20,11 +20,12 @@ from lightning_cudagraph.config import FULL_ITERATION
 from lightning_cudagraph.drivers.base import Driver
 from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.health import CUDAGraphReport, Stage, StepTimer, median
+from lightning_cudagraph.health import CUDAGraphReport, Stage
 from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung
 from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph.timing import StepTimer, median
 
 
 class Climb:

@@ -1,35 +1,29 @@
-"""Replay health: counters, step timing without per-step host syncs, the report, and logging.
+"""Replay health: the stage of a fit, its counters and timings, and the levels of its ladder, as one report.
 
-Counters are plain Python integers bumped on the host. Step times come from CUDA events recorded at batch start
-and end and read once per log interval (one sync per interval, none per step). The metrics go through Lightning's
-own ``log_dict`` once per interval, so they share the rows of the user's metrics and appear in
-``trainer.logged_metrics``; the stage is shown by name in the progress bar.
+Counters are plain Python integers bumped on the host. The report is written by the stage machine, the drivers
+and the level runner, and read by the user (``callback.report``) and the logged metrics
+(:mod:`lightning_cudagraph.reporting`); nothing reads it back to decide what to do.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-import lightning.pytorch as pl
-import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+__all__ = ["LEVEL_NUMBERS", "METRIC_PREFIX", "CUDAGraphReport", "LevelRecord", "Stage"]
 
 METRIC_PREFIX = "cudagraph/"
-#: ``cudagraph/level``: each rung of ``scope="auto"`` 's ladder has a fixed number, so dashboards compare across
-#: models (a rung a model lacks is skipped, not renumbered); 0 while no level runs on graphs.
+#: ``cudagraph/level``: each level of ``scope="auto"`` 's ladder has a fixed number, so dashboards compare across
+#: models (a level a model lacks is skipped, not renumbered); 0 while no level runs on graphs.
 LEVEL_NUMBERS = {"attn": 1, "attn+mlp": 2, "layer": 3, "full_iteration": 4}
 
 
 @dataclass
 class LevelRecord:
-    """One rung of ``scope="auto"`` 's ladder, as tried: what it measured and what became of it.
+    """One level of ``scope="auto"`` 's ladder, as tried: what it measured and what became of it.
 
     Attributes:
         level: ``attn``, ``attn+mlp``, ``layer`` or ``full_iteration``.
@@ -106,7 +100,7 @@ class CUDAGraphReport:
         memory_before_capture: ``torch.cuda.memory_allocated()`` right before the first capture, in bytes.
         nonfinite: Non-finite losses seen, as ``(first step, count)`` per detection.
         level: The level graphs run at (``attn``, ``attn+mlp``, ``layer``, ``full_iteration``); with a fixed
-            scope, ``None``. Logged as ``cudagraph/level``, the rung's number in :data:`LEVEL_NUMBERS`.
+            scope, ``None``. Logged as ``cudagraph/level``, the level's number in :data:`LEVEL_NUMBERS`.
         ladder: The levels ``scope="auto"`` tried, in order, with their step times and outcomes.
         exclusions: Regions left eager, by qualified name, with the reason (a failed capture or parity check).
         capture_ms_total: Host time of every capture of the fit, summed (the ladder's captures included).
@@ -220,7 +214,7 @@ class CUDAGraphReport:
         }
         return {METRIC_PREFIX + key: value for key, value in values.items() if not math.isnan(value)}
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         """Counters that survive a checkpoint (graphs themselves never do)."""
         return {
             "replays": self.replays,
@@ -232,7 +226,7 @@ class CUDAGraphReport:
             "evictions": self.evictions,
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters of :meth:`state_dict`."""
         self.replays = int(state.get("replays", 0))
         self.fallbacks = int(state.get("fallbacks", 0))
@@ -241,149 +235,3 @@ class CUDAGraphReport:
         self.rollback_reasons = list(state.get("rollback_reasons", []))
         self.captures = int(state.get("captures", 0))
         self.evictions = int(state.get("evictions", 0))
-
-
-class StepTimer:
-    """Step times from CUDA events recorded on the current stream, read in bulk (or host time without CUDA)."""
-
-    def __init__(self, use_cuda: bool, capacity: int = 256) -> None:
-        self._use_cuda = use_cuda
-        self._capacity = capacity
-        self._pending: list[tuple[object, object]] = []
-        self._open: object | None = None
-        self._free: list[torch.cuda.Event] = []
-
-    def start(self) -> None:
-        """Mark the start of a step."""
-        self._open = self._mark()
-
-    def stop(self) -> None:
-        """Mark the end of the step started last."""
-        if self._open is None:
-            return
-        self._pending.append((self._open, self._mark()))
-        self._open = None
-        if len(self._pending) > self._capacity:
-            self._recycle(self._pending.pop(0))
-
-    def read(self) -> list[float]:
-        """Milliseconds of every step since the last read (one host sync on CUDA)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return []
-        if not self._use_cuda:
-            return [(end - begin) * 1e3 for begin, end in pending]
-        pending[-1][1].synchronize()
-        times = [begin.elapsed_time(end) for begin, end in pending]
-        for pair in pending:
-            self._recycle(pair)
-        return times
-
-    def _mark(self) -> object:
-        if not self._use_cuda:
-            return time.perf_counter()
-        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def _recycle(self, pair: tuple[object, object]) -> None:
-        if self._use_cuda:
-            self._free.extend(pair)
-
-
-def median(values: list[float]) -> float:
-    """The median, or ``nan`` for no values."""
-    return statistics.median(values) if values else math.nan
-
-
-def log_through_lightning(module: pl.LightningModule, metrics: dict[str, float]) -> None:
-    """Log plain floats with one ``log_dict`` from a training-batch hook (``on_train_batch_end``).
-
-    They land in the rows Lightning writes for the user's metrics (every ``log_every_n_steps``, on every logger of the
-    Trainer) and in ``trainer.logged_metrics`` and ``trainer.callback_metrics`` (so a callback can monitor them).
-    Each value becomes a CPU tensor: no copy to the GPU, no host sync.
-    """
-    trainer = module.trainer
-    if not metrics or trainer.barebones:  # barebones: Lightning refuses self.log (with a warning)
-        return
-    values = {key: torch.tensor(value, dtype=torch.float64) for key, value in metrics.items()}
-    module.log_dict(values, on_step=True, on_epoch=False, logger=bool(trainer.loggers))
-
-
-@rank_zero_only
-def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Send plain floats to every logger of the Trainer, on rank zero: for hooks where ``self.log`` is refused.
-
-    ``on_train_end`` is one: the metrics of a last interval that Lightning's own cadence did not write go this way.
-    """
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
-
-
-class ProgressBarItems:
-    """Extra items on a Lightning progress bar: strings too (``self.log(prog_bar=True)`` takes numbers only).
-
-    The bar's ``get_metrics`` is the documented place that decides what it shows; this wraps it on the one bar
-    instance, for one fit, and :meth:`remove` puts back what was there. Items are read at every refresh from plain
-    Python values (no tensor, no host sync).
-
-    Args:
-        items: Returns the items to add, e.g. ``{"graphs": "replaying"}`` (empty: nothing added).
-
-    Example:
-        >>> from lightning.pytorch.callbacks import TQDMProgressBar
-        >>> bar, items = TQDMProgressBar(), ProgressBarItems(lambda: {"graphs": "replaying"})
-        >>> items.show_on(bar)
-        >>> bar.get_metrics.__call__  # doctest: +ELLIPSIS
-        <bound method _WithItems.__call__ of ...>
-        >>> items.remove()
-        >>> "get_metrics" in vars(bar)
-        False
-    """
-
-    def __init__(self, items: Callable[[], dict[str, str]]) -> None:
-        self._items = items
-        self._bar: Any = None
-
-    def show_on(self, bar: Any) -> None:
-        """Add the items to ``bar`` (``trainer.progress_bar_callback``); no-op for ``None`` or the bar shown on."""
-        if bar is None or bar is self._bar:
-            return
-        self.remove()
-        _unwrap(bar)  # items left by a fit that ended on an exception
-        bar.get_metrics = _WithItems(bar.get_metrics, vars(bar).get("get_metrics"), self._items)
-        self._bar = bar
-
-    def remove(self) -> None:
-        """Give the bar back the ``get_metrics`` it had (idempotent)."""
-        bar, self._bar = self._bar, None
-        if bar is not None:
-            _unwrap(bar)
-
-
-class _WithItems:
-    """A bar's ``get_metrics`` with the package's items added after its own.
-
-    Args:
-        get_metrics: The bar's ``get_metrics`` (bound).
-        replaced: What the bar instance itself held as ``get_metrics`` before (``None``: only its class's method).
-        items: The items to add.
-    """
-
-    def __init__(
-        self, get_metrics: Callable[..., dict[str, Any]], replaced: Any, items: Callable[[], dict[str, str]]
-    ) -> None:
-        self.get_metrics, self.replaced, self.items = get_metrics, replaced, items
-
-    def __call__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        return {**self.get_metrics(trainer, pl_module), **self.items()}
-
-
-def _unwrap(bar: Any) -> None:
-    wrapper = vars(bar).get("get_metrics")
-    if not isinstance(wrapper, _WithItems):
-        return
-    if wrapper.replaced is None:
-        del bar.get_metrics
-    else:
-        bar.get_metrics = wrapper.replaced

@@ -31,18 +31,12 @@ from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
-from lightning_cudagraph.health import (
-    CUDAGraphReport,
-    ProgressBarItems,
-    Stage,
-    StepTimer,
-    log_through_lightning,
-    log_to_loggers,
-    median,
-)
+from lightning_cudagraph.health import CUDAGraphReport, Stage
 from lightning_cudagraph.ladder import Rung, build_rungs, replacement_parts
+from lightning_cudagraph.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
 from lightning_cudagraph.scopes import ScopeResolution, Target, candidate_names, resolve_scopes
 from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph.timing import StepTimer, median
 
 
 class Rollout:

@@ -36,10 +36,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_cudagraph.graphs.backend import CaptureBackend, RegionCapture, RegionCaptures, StepGraph
 from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
-from lightning_cudagraph.health import StepTimer
 from lightning_cudagraph.hooks import hooks_stashed
 from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import distinct_tensors, rebuild_call
+from lightning_cudagraph.timing import StepTimer
 
 #: Operations that read a device value back to the host: a CUDA capture fails on them.
 HOST_SYNCS = frozenset({"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"})

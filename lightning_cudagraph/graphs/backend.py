@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from lightning_cudagraph.graphs.state import module_state_preserved
-from lightning_cudagraph.health import StepTimer
 from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature
+from lightning_cudagraph.timing import StepTimer
 
 
 class Region(Protocol):

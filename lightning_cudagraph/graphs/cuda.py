@@ -30,8 +30,8 @@ from lightning_cudagraph.graphs.state import (
     device_index,
     module_state_preserved,
 )
-from lightning_cudagraph.health import StepTimer
 from lightning_cudagraph.recording import RecordedCall
+from lightning_cudagraph.timing import StepTimer
 
 
 @functools.cache

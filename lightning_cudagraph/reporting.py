@@ -1,0 +1,109 @@
+"""How the report reaches the user during a fit: Lightning's logged metrics, the loggers, the progress bar.
+
+The metrics go through Lightning's own ``log_dict`` once per log interval, so they share the rows of the user's
+metrics and appear in ``trainer.logged_metrics``; the stage is shown by name in the progress bar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+__all__ = ["ProgressBarItems", "log_through_lightning", "log_to_loggers"]
+
+
+def log_through_lightning(module: pl.LightningModule, metrics: dict[str, float]) -> None:
+    """Log plain floats with one ``log_dict`` from a training-batch hook (``on_train_batch_end``).
+
+    They land in the rows Lightning writes for the user's metrics (every ``log_every_n_steps``, on every logger of the
+    Trainer) and in ``trainer.logged_metrics`` and ``trainer.callback_metrics`` (so a callback can monitor them).
+    Each value becomes a CPU tensor: no copy to the GPU, no host sync.
+    """
+    trainer = module.trainer
+    if not metrics or trainer.barebones:  # barebones: Lightning refuses self.log (with a warning)
+        return
+    values = {key: torch.tensor(value, dtype=torch.float64) for key, value in metrics.items()}
+    module.log_dict(values, on_step=True, on_epoch=False, logger=bool(trainer.loggers))
+
+
+@rank_zero_only
+def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """Send plain floats to every logger of the Trainer, on rank zero: for hooks where ``self.log`` is refused.
+
+    ``on_train_end`` is one: the metrics of a last interval that Lightning's own cadence did not write go this way.
+    """
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+class ProgressBarItems:
+    """Extra items on a Lightning progress bar: strings too (``self.log(prog_bar=True)`` takes numbers only).
+
+    The bar's ``get_metrics`` is the documented place that decides what it shows; this wraps it on the one bar
+    instance, for one fit, and :meth:`remove` puts back what was there. Items are read at every refresh from plain
+    Python values (no tensor, no host sync).
+
+    Args:
+        items: Returns the items to add, e.g. ``{"graphs": "replaying"}`` (empty: nothing added).
+
+    Example:
+        >>> from lightning.pytorch.callbacks import TQDMProgressBar
+        >>> bar, items = TQDMProgressBar(), ProgressBarItems(lambda: {"graphs": "replaying"})
+        >>> items.show_on(bar)
+        >>> bar.get_metrics.__call__  # doctest: +ELLIPSIS
+        <bound method _WithItems.__call__ of ...>
+        >>> items.remove()
+        >>> "get_metrics" in vars(bar)
+        False
+    """
+
+    def __init__(self, items: Callable[[], dict[str, str]]) -> None:
+        self._items = items
+        self._bar: Any = None
+
+    def show_on(self, bar: Any) -> None:
+        """Add the items to ``bar`` (``trainer.progress_bar_callback``); no-op for ``None`` or the bar shown on."""
+        if bar is None or bar is self._bar:
+            return
+        self.remove()
+        _unwrap(bar)  # items left by a fit that ended on an exception
+        bar.get_metrics = _WithItems(bar.get_metrics, vars(bar).get("get_metrics"), self._items)
+        self._bar = bar
+
+    def remove(self) -> None:
+        """Give the bar back the ``get_metrics`` it had (idempotent)."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            _unwrap(bar)
+
+
+class _WithItems:
+    """A bar's ``get_metrics`` with the package's items added after its own.
+
+    Args:
+        get_metrics: The bar's ``get_metrics`` (bound).
+        replaced: What the bar instance itself held as ``get_metrics`` before (``None``: only its class's method).
+        items: The items to add.
+    """
+
+    def __init__(
+        self, get_metrics: Callable[..., dict[str, Any]], replaced: Any, items: Callable[[], dict[str, str]]
+    ) -> None:
+        self.get_metrics, self.replaced, self.items = get_metrics, replaced, items
+
+    def __call__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        return {**self.get_metrics(trainer, pl_module), **self.items()}
+
+
+def _unwrap(bar: Any) -> None:
+    wrapper = vars(bar).get("get_metrics")
+    if not isinstance(wrapper, _WithItems):
+        return
+    if wrapper.replaced is None:
+        del bar.get_metrics
+    else:
+        bar.get_metrics = wrapper.replaced
