@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar, get_type_hints
 
 import torch.nn as nn
 
-from lightning_cudagraph.compiling import CompileOptions
+from lightning_cudagraph.compile_options import CompileOptions
 
 #: A way to find modules: a glob on the qualified name, a module class, or a predicate ``(name, module) -> bool``.
 Selector = str | type | Callable[[str, nn.Module], bool]

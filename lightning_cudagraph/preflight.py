@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import (
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
 from lightning_cudagraph._lightning import anomaly_detection_on
-from lightning_cudagraph.compiling import inductor_graphs_in
+from lightning_cudagraph.compile_options import inductor_graphs_in
 from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig, Verbatim, config_error
 from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
 from lightning_cudagraph.hooks import hooked_modules

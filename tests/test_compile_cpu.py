@@ -27,7 +27,7 @@ from torch._dynamo.callback import callback_handler
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
-from lightning_cudagraph.compiling import CompileOptions
+from lightning_cudagraph.compile_options import CompileOptions
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.scoped import COMPILED_PARITY_TOL
 from lightning_cudagraph.preflight import _check_compile, check_trainer
