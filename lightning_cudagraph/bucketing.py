@@ -37,6 +37,10 @@ def bucket_length(length: int, buckets: Sequence[int] | None = None, multiple: i
                 f"add a bucket of at least {length}, or truncate samples to {buckets[-1]}",
             )
         return buckets[index]
+    if multiple is None:
+        raise config_error(
+            "bucket_length", "multiple", multiple, "buckets or a multiple", "pass buckets=[64, 128] or multiple=64"
+        )
     return -(-length // multiple) * multiple
 
 

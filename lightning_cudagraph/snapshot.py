@@ -106,8 +106,8 @@ class TrainingState:
     def restore(self) -> None:
         """Put everything back: in place where a graph may read the tensor, by rebinding where user code rebound it."""
         with torch.no_grad():
-            for metric, saved in self.metrics:
-                for name, value in saved.items():
+            for metric, fields in self.metrics:
+                for name, value in fields.items():
                     object.__setattr__(metric, name, _clone(value))
             for sub, plain in self.attributes:
                 for key, value in plain.items():
