@@ -1,18 +1,7 @@
 """Scope names to the modules they capture: built-in rules per scope, overridable per scope.
 
-The built-in rules read attribute names, class names (by suffix, so model-prefixed classes such as
-``MixtralTopKRouter`` match without importing their library) and a module's place in the tree:
-
-- ``moe``: an MoE block, i.e. a module with an ``experts`` child and a ``gate`` or ``router`` child, a class
-  ending in ``MoE``/``SparseMoeBlock``/``MoELayer``, or an attribute such as ``block_sparse_moe``. Hugging Face
-  5.x keeps it at ``layers.N.mlp`` and Megatron at ``layers.N.mlp`` (``MoELayer``): an MoE block is never ``mlp``.
-- ``moe_router``: the ``gate``/``router`` child of an MoE block (or a child whose class ends in ``Router``).
-- ``mlp``: ``mlp``/``ffn``/``feed_forward`` that is not an MoE block, TE's ``LayerNormMLP``, a layer's child whose
-  class ends in ``MLP``, and the ``intermediate`` and ``output`` siblings of BERT-style layers (two regions).
-- ``attn``: attention attribute names, ``nn.MultiheadAttention``, TE classes, a layer's child ending in ``Attention``.
-- ``mamba``: ``mamba`` attributes and Mamba mixer classes (``*Mamba*Mixer``, ``mamba_ssm``'s ``Mamba``/``Mamba2``).
-- ``layer``: the numbered children of ``layers``/``layer``/``h``/``blocks`` lists, and transformer layer classes.
-- ``moe_preprocess``: a ``preprocess`` child of an MoE block; no Hugging Face or Megatron layout has one.
+The built-in rules live in :mod:`lightning_cudagraph.layouts`. ``modules=`` replaces a scope's rules with selectors
+(globs, classes or predicates) or defines a new scope.
 
 A match nested inside another match (``blocks.0.attn`` inside ``blocks.0`` when both ``attn`` and ``layer`` are
 asked for) resolves to the outer one, so every region of the model is captured by one graph.
@@ -23,125 +12,15 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from lightning_cudagraph.config import FULL_ITERATION, Selector, config_error
+from lightning_cudagraph.layouts import BUILTIN_RULES, Site, sites_of
 
-_LAYER_CONTAINERS = frozenset({"layers", "layer", "h", "blocks", "block", "decoder_layers", "encoder_layers"})
-_LAYER_CLASSES = frozenset({"TransformerLayer"})
-_MOE_NAMES = frozenset({"moe", "block_sparse_moe", "sparse_moe", "moe_layer", "moe_block", "mlp_moe"})
-# Lower-cased: Hugging Face spells the same block ``DeepseekV3MoE``, ``DeepseekV2Moe`` and ``ExaoneMoeSparseMoEBlock``.
-_MOE_CLASS_SUFFIXES = ("moe", "sparsemoeblock", "moelayer")
-_ROUTER_NAMES = frozenset({"gate", "router"})
-_ATTN_NAMES = frozenset({"attn", "attention", "self_attn", "self_attention", "mha", "multihead_attn"})
-_ATTN_CLASSES = frozenset({"MultiheadAttention", "DotProductAttention"})
-_MLP_NAMES = frozenset({"mlp", "ffn", "feed_forward", "feedforward"})
-# BERT-style layers split the feed-forward into two sibling modules, each called once per layer.
-_SPLIT_FFN = frozenset({"intermediate", "output"})
-_MAMBA_NAMES = frozenset({"mamba", "mamba_mixer"})
-_MAMBA_CLASSES = frozenset({"Mamba", "Mamba2"})
-
-
-@dataclass(frozen=True)
-class _Site:
-    """A module as the built-in rules see it: its qualified name, the module, and its parent."""
-
-    name: str
-    module: nn.Module
-    parent_name: str
-    parent: nn.Module
-
-    @property
-    def attr(self) -> str:
-        return self.name.rpartition(".")[2]
-
-    @property
-    def cls(self) -> str:
-        return type(self.module).__name__
-
-    @property
-    def in_layer(self) -> bool:
-        return _is_layer(self.parent_name, self.parent)
-
-    @property
-    def in_moe(self) -> bool:
-        return _is_moe(self.parent_name, self.parent)
-
-
-def _is_layer(name: str, module: nn.Module) -> bool:
-    parts = name.split(".")
-    numbered = len(parts) > 1 and parts[-1].isdigit() and parts[-2] in _LAYER_CONTAINERS
-    return (
-        numbered
-        or type(module).__name__ in _LAYER_CLASSES
-        or isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
-    )
-
-
-def _is_moe(name: str, module: nn.Module) -> bool:
-    if _is_layer(name, module):  # a decoder layer that holds an MoE block (``MoEBlock`` in examples/moe.py) is a layer
-        return False
-    children = {child for child, _ in module.named_children()}
-    return (
-        name.rpartition(".")[2] in _MOE_NAMES
-        or type(module).__name__.lower().endswith(_MOE_CLASS_SUFFIXES)
-        or ("experts" in children and bool(children & _ROUTER_NAMES))
-    )
-
-
-def _attn(site: _Site) -> bool:
-    return (
-        site.attr in _ATTN_NAMES
-        or site.cls in _ATTN_CLASSES
-        or isinstance(site.module, nn.MultiheadAttention)
-        or (site.in_layer and site.cls.endswith("Attention"))
-    )
-
-
-def _mlp(site: _Site) -> bool:
-    if _is_moe(site.name, site.module):
-        return False
-    if site.attr in _MLP_NAMES or site.cls == "LayerNormMLP":
-        return True
-    if site.in_layer and site.cls.lower().endswith("mlp"):
-        return True
-    return site.attr in _SPLIT_FFN and {child for child, _ in site.parent.named_children()} >= _SPLIT_FFN
-
-
-def _moe(site: _Site) -> bool:
-    return _is_moe(site.name, site.module)
-
-
-def _moe_router(site: _Site) -> bool:
-    return site.attr == "moe_router" or (site.in_moe and (site.attr in _ROUTER_NAMES or site.cls.endswith("Router")))
-
-
-def _moe_preprocess(site: _Site) -> bool:
-    return site.attr == "moe_preprocess" or (site.attr == "preprocess" and site.in_moe)
-
-
-def _mamba(site: _Site) -> bool:
-    mixer = site.cls.endswith("Mixer") and "mamba" in site.cls.lower()
-    return site.attr in _MAMBA_NAMES or site.cls in _MAMBA_CLASSES or mixer
-
-
-def _layer(site: _Site) -> bool:
-    return _is_layer(site.name, site.module)
-
-
-#: The built-in scopes: a predicate over each module of the model (the root excluded).
-BUILTIN_RULES: dict[str, Callable[[_Site], bool]] = {
-    "attn": _attn,
-    "mlp": _mlp,
-    "moe": _moe,
-    "moe_router": _moe_router,
-    "moe_preprocess": _moe_preprocess,
-    "mamba": _mamba,
-    "layer": _layer,
-}
+__all__ = ["ScopeResolution", "Target", "candidate_names", "resolve_present", "resolve_scopes"]
 
 
 @dataclass(frozen=True)
@@ -180,7 +59,7 @@ def resolve_scopes(
 
     Args:
         model: The LightningModule (never captured itself).
-        scope: Scope names (``scope="auto"`` is resolved rung by rung: :mod:`lightning_cudagraph.ladder`).
+        scope: Scope names (``scope="auto"`` is resolved level by level: :mod:`lightning_cudagraph.ladder`).
         overrides: Per-scope selectors that replace the built-in patterns (or define new scopes).
         component: Named in error messages.
 
@@ -198,7 +77,7 @@ def resolve_scopes(
         ['blocks.0', 'blocks.1']
     """
     overrides = overrides or {}
-    sites = _sites(model)
+    sites = sites_of(model)
     requested = [s for s in scope if s != FULL_ITERATION]
     resolution = _resolve(sites, requested, overrides, component)
     for name in requested:
@@ -241,7 +120,7 @@ def resolve_present(
         >>> [t.name for t in resolve_present(model, ["attn", "mamba"]).targets]
         ['blocks.0.attn']
     """
-    resolution = _resolve(_sites(model), scope, overrides or {}, "CUDAGraphCallback")
+    resolution = _resolve(sites_of(model), scope, overrides or {}, "CUDAGraphCallback")
     resolution.matched = {name: found for name, found in resolution.matched.items() if found}
     return resolution
 
@@ -263,7 +142,7 @@ def _name_patterns(model: nn.Module) -> dict[str, str]:
 
 
 def _override_matches_nothing(
-    component: str, model: nn.Module, sites: list[_Site], name: str, selectors: Sequence[Selector]
+    component: str, model: nn.Module, sites: list[Site], name: str, selectors: Sequence[Selector]
 ) -> ValueError:
     """The error for a ``modules=`` entry that finds no module: it names the entry, close names, and the fix."""
     shown = selectors[0] if len(selectors) == 1 else list(selectors)
@@ -288,19 +167,8 @@ def _override_matches_nothing(
     )
 
 
-def _sites(model: nn.Module) -> list[_Site]:
-    """Every module but the root, in model order, with its parent."""
-    modules = dict(model.named_modules())
-    sites = []
-    for name, module in modules.items():
-        if name:
-            parent_name = name.rpartition(".")[0]
-            sites.append(_Site(name, module, parent_name, modules[parent_name]))
-    return sites
-
-
 def _resolve(
-    sites: list[_Site], scopes: Sequence[str], overrides: Mapping[str, Sequence[Selector]], component: str
+    sites: list[Site], scopes: Sequence[str], overrides: Mapping[str, Sequence[Selector]], component: str
 ) -> ScopeResolution:
     resolution = ScopeResolution()
     owner: dict[str, str] = {}
@@ -321,7 +189,7 @@ def _resolve(
     return resolution
 
 
-def _selected(scope: str, site: _Site, overrides: Mapping[str, Sequence[Selector]], component: str) -> bool:
+def _selected(scope: str, site: Site, overrides: Mapping[str, Sequence[Selector]], component: str) -> bool:
     if scope not in overrides:
         return BUILTIN_RULES[scope](site)
     for selector in overrides[scope]:
