@@ -22,7 +22,8 @@ from lightning_cudagraph.graphs.backend import (
     RegionCaptures,
     StepGraph,
 )
-from lightning_cudagraph.graphs.local import capture_regions, graph_capture
+from lightning_cudagraph.graphs.capture import gc_frozen, graph_capture
+from lightning_cudagraph.graphs.local import capture_regions
 from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
 from lightning_cudagraph.graphs.state import (
     cuda_generator_guard,
@@ -106,18 +107,19 @@ class CUDABackend(CaptureBackend):
     def capture_regions(
         self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
     ) -> RegionCaptures:
-        """Capture with ``capture`` (PyTorch's forward/backward pairs by default) on the side stream."""
+        """Capture with ``capture`` (PyTorch's forward/backward pairs by default) on the side stream, GC frozen."""
         capture = capture or capture_regions
-        return capture(calls, pool=self.pool, stream=self.stream, warmup_iters=warmup_iters)
+        with gc_frozen():
+            return capture(calls, pool=self.pool, stream=self.stream, warmup_iters=warmup_iters)
 
     def renew_pool(self) -> None:
         """A new pool for the next captures: a level of ``scope="auto"`` never shares memory with the one before."""
         self._pool = None
 
     def capture_step(self, body: Callable[[], None]) -> StepGraph:
-        """Capture ``body`` as one graph; on failure the graph is reset before the error propagates."""
+        """Capture ``body`` as one graph, GC frozen; on failure the graph is reset before the error propagates."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self.stream), graph_capture(graph, self.pool):
+        with gc_frozen(), torch.cuda.stream(self.stream), graph_capture(graph, self.pool):
             body()
         return CUDAStepGraph(graph)
 

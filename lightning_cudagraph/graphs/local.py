@@ -12,8 +12,8 @@ capture backwards in reverse order, all in one pool) with what a training framew
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from lightning_cudagraph.graphs.backend import RegionCaptures
+from lightning_cudagraph.graphs.capture import graph_capture
 from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature, distinct_tensors, rebuild_call
 
@@ -192,30 +193,6 @@ def capture_regions(
             region.reset()
         raise
     return RegionCaptures(list(regions))  # a list of the base class, for the backend's type
-
-
-@contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
-    """Capture into ``graph`` on the current stream, into ``pool``.
-
-    Unlike ``torch.cuda.graph``, no device sync, ``gc.collect()`` and ``empty_cache()`` before each graph: a pass
-    captures two graphs per region, and those calls were most of its host time. A failed body ends the capture
-    without masking its own error, and leaves the allocator as it found it, so the next capture (and eager
-    training on this stream) can go on.
-    """
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-    try:
-        yield
-    except BaseException:
-        try:
-            graph.capture_end()
-        except RuntimeError:  # an invalidated capture (a host sync inside it) fails to end
-            # ``capture_end`` raised before it stopped routing this stream's allocations into the pool; left so,
-            # every later capture into it fails ("already recording") and eager allocations would land in it.
-            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
-        graph.reset()
-        raise
-    graph.capture_end()
 
 
 def _functional(call: RecordedCall) -> Callable[..., tuple[tuple[Tensor, ...], tuple[Any, pytree.TreeSpec]]]:

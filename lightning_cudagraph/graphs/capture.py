@@ -1,0 +1,66 @@
+"""The host side of a CUDA capture: one graph's capture on the current stream, and the garbage collector around a pass.
+
+``torch.cuda.graph`` syncs the device, runs ``gc.collect()`` and empties the allocator's cache before every graph.
+A scoped pass captures two graphs per region, and those calls were most of its host time. Here a pass collects once
+and freezes the collector (as Megatron-Core does), so that the collections Python triggers while the capture
+allocates only scan the objects made since; each graph then begins without a sync.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["gc_frozen", "graph_capture"]
+
+
+@contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Collect once, then freeze the garbage collector's tracked objects for the body; unfreeze on every exit.
+
+    A collector the process froze itself (a forking server's ``gc.freeze()``) is left as it is: unfreezing would
+    hand its objects back to the collector.
+
+    Example:
+        >>> import gc
+        >>> with gc_frozen():
+        ...     frozen = gc.get_freeze_count() > 0
+        >>> frozen, gc.get_freeze_count()
+        (True, 0)
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """Capture into ``graph`` on the current stream, into ``pool``.
+
+    No device sync, ``gc.collect()`` or ``empty_cache()`` before the graph (see the module's docstring). A failed
+    body ends the capture without masking its own error, and leaves the allocator as it found it, so the next
+    capture (and eager training on this stream) can go on.
+    """
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        yield
+    except BaseException:
+        try:
+            graph.capture_end()
+        except RuntimeError:  # an invalidated capture (a host sync inside it) fails to end
+            # ``capture_end`` raised before it stopped routing this stream's allocations into the pool; left so,
+            # every later capture into it fails ("already recording") and eager allocations would land in it.
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        graph.reset()
+        raise
+    graph.capture_end()
