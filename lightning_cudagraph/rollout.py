@@ -26,7 +26,7 @@ from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.compiling import CompiledForwards, CompiledModules, CompileWatch, called_modules
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver
-from lightning_cudagraph.drivers.full_step import FullStepDriver
+from lightning_cudagraph.drivers.whole_step import WholeStepDriver as FullStepDriver
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
@@ -236,7 +236,7 @@ class Rollout:
         if not trainer.training or trainer.sanity_checking:
             return batch
         self._seal_when_due(trainer.global_step)
-        return self.driver.plan(trainer.global_step, batch)
+        return self.driver.plan(trainer, batch)
 
     def run_full_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """Carry out the planned step."""

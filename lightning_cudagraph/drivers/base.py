@@ -1,14 +1,16 @@
-"""What every capture-mode driver shares: its collaborators, capture bookkeeping, the memory budget.
+"""What every capture-mode driver shares: the driver interface, its level settings, capture bookkeeping, the budget.
 
 A driver carries out stages 2-7 for one capture mode (scoped regions, or the whole step); the stage machine says
-where the fit is, and the driver asks it to move on, roll back or give up.
+where the fit is, and the driver asks it to move on, roll back or give up. The rollout and the level runner talk to
+a driver through :class:`Driver` only: every per-batch call has a default here, so neither asks which driver it has.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,6 +30,44 @@ def shape_change_error(component: str, change: str) -> RuntimeError:
     )
 
 
+#: Capture warmup iterations per region before its capture, for a fixed scope (eager forward-backward runs).
+CAPTURE_WARMUP_ITERS = 3
+
+
+@dataclass(frozen=True)
+class LevelSettings:
+    """What the level runner tells a driver about the level it runs (one value, replaced as a whole).
+
+    Attributes:
+        first_eager_steps: Eager steps before this driver's first capture (``warmup_steps`` for the first level).
+        warmup_iters: Capture warmup iterations before each capture.
+        keep_samples: Keep recorded calls after a capture (``scope="auto"`` may capture another level from them).
+        measure_pool: Read the pool's size after each capture (an allocator snapshot); ``scope="auto"`` reads it
+            once settled, unless ``max_pool_mib`` needs it at every capture.
+
+    Example:
+        >>> from dataclasses import replace
+        >>> settings = LevelSettings(first_eager_steps=3, warmup_iters=3, keep_samples=False, measure_pool=True)
+        >>> replace(settings, first_eager_steps=1).first_eager_steps
+        1
+    """
+
+    first_eager_steps: int
+    warmup_iters: int
+    keep_samples: bool
+    measure_pool: bool
+
+    @classmethod
+    def of(cls, config: CUDAGraphConfig) -> LevelSettings:
+        """A fixed scope's settings, from the config."""
+        return cls(
+            first_eager_steps=config.eager_steps,
+            warmup_iters=CAPTURE_WARMUP_ITERS,
+            keep_samples=False,
+            measure_pool=True,
+        )
+
+
 class Driver(ABC):
     """Base of the capture-mode drivers.
 
@@ -36,20 +76,46 @@ class Driver(ABC):
         component: Named in messages.
         backend: Does the device work.
         machine: The stage machine of this fit.
+        settings: The level's settings (``None``: a fixed scope's, :meth:`LevelSettings.of`).
+        compiled: The compiled stand-in a driver owns with ``compile=`` (``None`` without); each driver types and
+            keeps its own (see its class).
     """
 
-    def __init__(self, config: CUDAGraphConfig, component: str, backend: CaptureBackend, machine: StageMachine) -> None:
+    def __init__(
+        self,
+        config: CUDAGraphConfig,
+        component: str,
+        backend: CaptureBackend,
+        machine: StageMachine,
+        settings: LevelSettings | None = None,
+        compiled: object | None = None,
+    ) -> None:
         self.config, self.component, self.backend, self.machine = config, component, backend, machine
         self.report: CUDAGraphReport = machine.report
+        #: The level's settings; the level runner assigns a new value (``driver.settings = replace(...)``).
+        self.settings = settings if settings is not None else LevelSettings.of(config)
         #: Called once, right before the first capture (the rollout reads the eager step times there).
         self.before_first_capture: Callable[[], None] = lambda: None
         #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
         self.captured_any = False
-        #: Eager steps the first batch shape runs before its capture (a later level of ``scope="auto"`` needs fewer).
-        self.first_eager_steps = config.eager_steps
-        #: Read the pool's size after each capture (an allocator snapshot); ``scope="auto"`` reads it once settled,
-        #: unless ``max_pool_mib`` needs it at every capture.
-        self.measure_pool = True
+
+    @property
+    def first_eager_steps(self) -> int:
+        """Eager steps the first batch shape runs before its capture (a later level of ``scope="auto"`` needs fewer)."""
+        return self.settings.first_eager_steps
+
+    @first_eager_steps.setter
+    def first_eager_steps(self, steps: int) -> None:
+        self.settings = replace(self.settings, first_eager_steps=steps)
+
+    @property
+    def measure_pool(self) -> bool:
+        """Whether the pool's size is read after each capture (see :class:`LevelSettings`)."""
+        return self.settings.measure_pool
+
+    @measure_pool.setter
+    def measure_pool(self, on: bool) -> None:
+        self.settings = replace(self.settings, measure_pool=on)
 
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
         return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)
@@ -61,6 +127,38 @@ class Driver(ABC):
     @abstractmethod
     def start(self, trainer: pl.Trainer) -> None:
         """Training starts: put in place what eager stabilization needs."""
+
+    # ------------------------------------------------------------------ per batch (defaults: nothing to do)
+    def begin_batch(self, trainer: pl.Trainer, batch: Any) -> None:  # noqa: B027 (an optional hook)
+        """Before every training batch, while graphs are allowed: decide what this batch does."""
+
+    def plan(self, trainer: pl.Trainer, batch: Any) -> Any:
+        """Before ``training_step`` (the strategy's ``batch_to_device``): return the batch the step should use."""
+        return batch
+
+    def run(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
+        """Carry out the optimizer step (the strategy's ``optimizer_step``); by default eagerly."""
+        return run_step()
+
+    def on_training_step_output(self, output: Any) -> None:  # noqa: B027 (an optional hook)
+        """``training_step`` returned ``output``."""
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the strategy's hooks are running inside a whole-step capture."""
+        return False
+
+    # ------------------------------------------------------------------ for the level runner
+    def captured_regions(self) -> frozenset[str] | None:
+        """The names of the regions this driver captures now (``None``: the whole step, no regions)."""
+        return None
+
+    def switch_level(self, names: Sequence[str]) -> bool:
+        """Capture another scoped level in place, from the recorded samples; ``False`` when this driver cannot."""
+        return False
+
+    def settle(self) -> None:  # noqa: B027 (an optional hook)
+        """The ladder settled on this driver's level: drop what was kept for other levels."""
 
     @abstractmethod
     def end_step(self, outputs: Any) -> None:
@@ -112,7 +210,7 @@ class Driver(ABC):
         self.report.graphs = graphs
         self.report.capture_ms = (time.perf_counter() - started) * 1e3
         budget = self.config.max_pool_mib
-        if budget is None and not self.measure_pool:
+        if budget is None and not self.settings.measure_pool:
             return True
         self.report.pool_mib = self.backend.pool_mib()
         if budget is not None and self.report.pool_mib > budget:
@@ -124,7 +222,7 @@ class Driver(ABC):
 
     def _eager_steps_needed(self) -> int:
         """Eager steps a batch shape runs before its capture: ``warmup_steps`` for the first, one for later ones."""
-        return 1 if self.captured_any else self.first_eager_steps
+        return 1 if self.captured_any else self.settings.first_eager_steps
 
     def _note_memory_before_capture(self) -> None:
         if self.report.memory_before_capture is None:

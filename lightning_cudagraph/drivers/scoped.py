@@ -11,24 +11,27 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_cudagraph.batches import describe_batch_key
+from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason
 from lightning_cudagraph.compiling import CompiledForwards
-from lightning_cudagraph.drivers.base import Driver, shape_change_error
+from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.drivers.base import Driver, LevelSettings, shape_change_error
 from lightning_cudagraph.drivers.evidence import StateWatch
 from lightning_cudagraph.drivers.region_capture import RegionCapturer
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, ReplayEntry, StepRoute
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.graphs.backend import RegionCapture
+from lightning_cudagraph.graphs.backend import CaptureBackend, RegionCapture
 from lightning_cudagraph.health import Stage
 from lightning_cudagraph.hooks import inner_hook_count
 from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
 from lightning_cudagraph.scopes import Target
+from lightning_cudagraph.stages import StageMachine
 
 #: Relative parity tolerances when ``parity_tol`` is not given: full precision, and under autocast.
 DEFAULT_PARITY_TOL = 1e-4
@@ -36,8 +39,6 @@ REDUCED_PRECISION_PARITY_TOL = 2e-2
 #: Full precision with ``compile=``: fused kernels reorder float sums (the graphed forward is compiled, the
 #: reference eager), which moves results by about 1e-6..1e-5 relative; a wrong graph is off by far more.
 COMPILED_PARITY_TOL = 1e-3
-#: Eager forward-backward iterations per region before it is captured.
-CAPTURE_WARMUP_ITERS = 3
 
 
 class ScopedDriver(Driver):
@@ -46,20 +47,26 @@ class ScopedDriver(Driver):
     Args:
         regions: Every patched target, and which of them are captured (see
             :class:`~lightning_cudagraph.drivers.regions.RegionSet`).
-        *args: See :class:`~lightning_cudagraph.drivers.base.Driver`.
+        config, component, backend, machine, settings: See :class:`~lightning_cudagraph.drivers.base.Driver`.
+        compiled: ``compile=``: the compiled stand-ins of the targets' forwards (what training steps run and capture).
     """
 
     #: How regions are captured (``None``: the backend's default, PyTorch's forward/backward graph pairs).
     region_capture: RegionCapture | None = None
 
-    def __init__(self, regions: RegionSet, *args: Any, compiled: CompiledForwards | None = None) -> None:
-        super().__init__(*args)
+    def __init__(
+        self,
+        regions: RegionSet,
+        config: CUDAGraphConfig,
+        component: str,
+        backend: CaptureBackend,
+        machine: StageMachine,
+        settings: LevelSettings | None = None,
+        compiled: CompiledForwards | None = None,
+    ) -> None:
+        super().__init__(config, component, backend, machine, settings)
         self.regions = regions
         self.targets = regions.targets
-        #: Keep every recorded sample after a capture (``scope="auto"`` captures other levels from them).
-        self.keep_samples = False
-        #: Eager forward-backward iterations per region before its capture (fewer once the regions are warm).
-        self.warmup_iters = CAPTURE_WARMUP_ITERS
         self.recorder = WarmupRecorder(self.targets)
         self.capturer = RegionCapturer(self.config, self.backend, self.machine, regions)
         self.state = StateWatch()
@@ -78,6 +85,25 @@ class ScopedDriver(Driver):
         self._microbatches = 1
         self._pending_problem: str | None = None
         self._since_audit = 0
+        self._released = False
+
+    @property
+    def keep_samples(self) -> bool:
+        """Whether recorded samples are kept after a capture (see :class:`~.base.LevelSettings`)."""
+        return self.settings.keep_samples
+
+    @keep_samples.setter
+    def keep_samples(self, keep: bool) -> None:
+        self.settings = replace(self.settings, keep_samples=keep)
+
+    @property
+    def warmup_iters(self) -> int:
+        """Capture warmup iterations per region before its capture (fewer once the regions are warm)."""
+        return self.settings.warmup_iters
+
+    @warmup_iters.setter
+    def warmup_iters(self, iters: int) -> None:
+        self.settings = replace(self.settings, warmup_iters=iters)
 
     def start(self, trainer: pl.Trainer) -> None:
         """Patch the targets' forwards: from now on every call goes through the router."""
@@ -85,6 +111,14 @@ class ScopedDriver(Driver):
         self.forwards.install()
 
     # ------------------------------------------------------------------ a training batch
+    def begin_batch(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Decide what this training batch does with the targets, from its key (nothing once graphs are off)."""
+        if not self.machine.graphs_allowed:
+            return
+        key = batch_key(batch)
+        opaque = opaque_reason(batch) if key is None else ""
+        self.begin_step(trainer.global_step, key, trainer.accumulate_grad_batches > 1, opaque)
+
     def begin_step(self, step: int, batch: tuple[Any, ...] | None, accumulating: bool, opaque: str = "") -> None:
         """Decide what this batch does with the targets: replay, record, capture, or fall back.
 
@@ -211,7 +245,7 @@ class ScopedDriver(Driver):
                 why = "; it cannot be captured" if batch in self._uncapturable else ""
                 self.router.begin(StepRoute(fallback_reason=change + why))
                 return None
-        needed = 1 if self.captured_any else self.first_eager_steps * self._microbatches
+        needed = 1 if self.captured_any else self.settings.first_eager_steps * self._microbatches
         if self.recorder.recorded_steps(batch) < needed:  # this shape's own stabilization
             self.recorder.begin_step(batch, keep_samples=True)
             self.router.begin(StepRoute(recorder=self.recorder, fallback_reason=change if in_use else None))
@@ -258,7 +292,7 @@ class ScopedDriver(Driver):
         regions = self.capturer.capture(
             calls,
             lambda: self.recorder.plan(self.regions.left_out(), batch).calls,
-            self.warmup_iters,
+            self.settings.warmup_iters,
             self.region_capture,
         )
         if regions is None:
@@ -267,7 +301,7 @@ class ScopedDriver(Driver):
             region.on_backward = self.router.on_backward
         entries = {self._index[region.name]: ReplayEntry(region) for region in regions}
         self.graph_sets.add(batch, GraphSet(batch, entries, confirm_left=self.config.confirm_steps))
-        if not self.keep_samples:
+        if not self.settings.keep_samples:
             self.recorder.forget(batch)
         self._autocast = self._autocast or any(region.signature.autocast[0] for region in regions)
         if not self._captured(started, sum(len(s.entries) for s in self.graph_sets.values())):
@@ -280,7 +314,7 @@ class ScopedDriver(Driver):
                 " from the step's outputs, outside the captured modules"
             )
             return False
-        held = f"; graphs hold {self.report.pool_mib:.1f} MiB" if self.measure_pool else ""
+        held = f"; graphs hold {self.report.pool_mib:.1f} MiB" if self.settings.measure_pool else ""
         rank_zero_info(
             f"{self.component}: captured {len(regions)} region(s) for batch {describe_batch_key(batch)} in"
             f" {self.report.capture_ms:.0f} ms{held}"
@@ -356,6 +390,21 @@ class ScopedDriver(Driver):
         """The graph sets by batch shape."""
         return self.graph_sets
 
+    def captured_regions(self) -> frozenset[str]:
+        """The names of the regions captured now (the active targets)."""
+        return frozenset(target.name for target in self.regions.active_targets)
+
+    def switch_level(self, names: Sequence[str]) -> bool:
+        """From the next batch on, capture these targets in place (``False`` once released: build a new driver)."""
+        if self._released:
+            return False
+        self.capture_level(names)
+        return True
+
+    def settle(self) -> None:
+        """The ladder settled on this level: drop the samples kept for other levels."""
+        self.forget_samples()
+
     def capture_level(self, names: Sequence[str]) -> None:
         """From the next batch on, capture these targets (a level of ``scope="auto"``).
 
@@ -370,7 +419,7 @@ class ScopedDriver(Driver):
 
     def forget_samples(self) -> None:
         """Drop recorded samples kept for later levels (they hold device memory)."""
-        self.keep_samples = False
+        self.settings = replace(self.settings, keep_samples=False)
         for batch in self.graph_sets.shapes():
             self.recorder.forget(batch)
 
@@ -390,6 +439,7 @@ class ScopedDriver(Driver):
     # ------------------------------------------------------------------ stage 7: release
     def release(self) -> None:
         """Restore every forward first (what a user would trip over most), then reset every graph."""
+        self._released = True
         self.router.end()
         self.forwards.restore()
         graph_sets = self.graph_sets.clear()
