@@ -136,12 +136,22 @@ def assert_same_batchnorm(eager: nn.Module, graphed: nn.Module) -> None:
         torch.testing.assert_close(actual[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+class BatchCounter(pl.Callback):
+    """The batch counter of the first block's first BatchNorm after every training batch."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.counts.append(int(pl_module.model.layer1[0].bn1.num_batches_tracked))
+
+
 def test_resnet_blocks_train_on_layer_graphs_with_batchnorm_statistics_equal_to_eager():
-    backend = FakeBackend()
+    backend, counter = FakeBackend(), BatchCounter()
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     callback.capture_backend = backend
     eager = fit(classifier(resnet18), images(), STEPS, **CPU)
-    run = fit(classifier(resnet18), images(), STEPS, [callback], **CPU)
+    run = fit(classifier(resnet18), images(), STEPS, [callback, counter], **CPU)
 
     report = callback.report
     _, blocks = resnet18()
@@ -149,6 +159,7 @@ def test_resnet_blocks_train_on_layer_graphs_with_batchnorm_statistics_equal_to_
     assert (report.stage, report.rollbacks, report.fallbacks) == (Stage.REPLAYING, 0, 0)
     assert report.replays == (STEPS - WARMUP) * len(blocks)
     assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert counter.counts == list(range(1, STEPS + 1)), "capture and its run leave the counter; each replay adds one"
     assert_same_batchnorm(eager.model, run.model)
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
 
