@@ -8,13 +8,14 @@ capture never feeds a module values it would not see.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_cudagraph.graphs.backend import RecordedCall
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.signature import (
     CallSignature,
@@ -23,17 +24,6 @@ from lightning_cudagraph.signature import (
     distinct_tensors,
     signatures_equal,
 )
-
-
-@dataclass
-class RecordedCall:
-    """A target's call seen during eager warmup: how to run it, what it was called with, and its signature."""
-
-    name: str
-    module: torch.nn.Module
-    forward: Callable[..., Any]
-    signature: CallSignature
-    samples: list[Tensor]
 
 
 @dataclass
@@ -60,7 +50,8 @@ class WarmupRecorder:
 
     Example:
         >>> import torch, torch.nn as nn
-        >>> from lightning_cudagraph.scopes import Target
+        >>> from lightning_cudagraph.graphs.backend import RecordedCall
+    from lightning_cudagraph.scopes import Target
         >>> layer = nn.Linear(4, 4)
         >>> recorder = WarmupRecorder([Target("layer", layer, "layer")])
         >>> for rows in (8, 8, 5):

@@ -26,9 +26,9 @@ from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.compiling import CompiledForwards, CompiledModules, CompileWatch, called_modules
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver
-from lightning_cudagraph.drivers.whole_step import WholeStepDriver as FullStepDriver
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.scoped import ScopedDriver
+from lightning_cudagraph.drivers.whole_step import WholeStepDriver as FullStepDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
 from lightning_cudagraph.health import CUDAGraphReport, Stage

@@ -33,11 +33,10 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_cudagraph.graphs.backend import CaptureBackend, RegionCapture, RegionCaptures, StepGraph
+from lightning_cudagraph.graphs.backend import CaptureBackend, CaptureMethod, CapturePassResult, RecordedCall, StepGraph
 from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
 from lightning_cudagraph.hooks import hooks_stashed
-from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import distinct_tensors, rebuild_call
 from lightning_cudagraph.timing import StepTimer
 
@@ -381,8 +380,8 @@ class FakeBackend(CaptureBackend):
         self.entered = False
 
     def capture_regions(
-        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
-    ) -> RegionCaptures:
+        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: CaptureMethod | None = None
+    ) -> CapturePassResult:
         self.capturing = True
         self.warmup_iters_per_pass.append(warmup_iters)
         outputs = []
@@ -401,7 +400,7 @@ class FakeBackend(CaptureBackend):
                             raise
                         error = sync
                 if error is not None:  # like the CUDA backend: the pass ends (after warmup), its pool is not used again
-                    return RegionCaptures(failed={call.name: error}, warmed=True)
+                    return CapturePassResult(failed={call.name: error}, warmed=True)
         finally:
             self.capturing = False
         regions = [
@@ -409,7 +408,7 @@ class FakeBackend(CaptureBackend):
             for call, output in zip(calls, outputs, strict=True)
         ]
         self.regions.extend(regions)
-        return RegionCaptures(regions)
+        return CapturePassResult(regions)
 
     def _region_failure(self, name: str) -> Exception | None:
         for pattern, error in self.fail_regions.items():

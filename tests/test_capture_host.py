@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_cudagraph.graphs import cuda
-from lightning_cudagraph.graphs.backend import RegionCaptures
+from lightning_cudagraph.graphs.backend import CapturePassResult
 from lightning_cudagraph.graphs.capture import gc_frozen
 
 
@@ -65,7 +65,7 @@ def test_the_cuda_backend_captures_regions_with_the_collector_frozen(cpu_cuda_ba
 
     def capture(calls, *, pool, stream, warmup_iters):
         seen.append(gc.get_freeze_count())
-        return RegionCaptures()
+        return CapturePassResult()
 
     cpu_cuda_backend.capture_regions([], 0, capture)
     assert seen[0] > 0 and gc.get_freeze_count() == 0

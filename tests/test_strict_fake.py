@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cudagraph.recording import RecordedCall
+from lightning_cudagraph.graphs.backend import RecordedCall
 from lightning_cudagraph.signature import call_signature
 from tests.fake_backend import FakeBackend, FakeRegion
 

@@ -15,14 +15,19 @@ from collections.abc import Callable
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.evidence import MetricUpdates
 from lightning_cudagraph.drivers.regions import RegionSet
-from lightning_cudagraph.graphs.backend import CaptureBackend, Region, RegionCapture, RegionCaptures
+from lightning_cudagraph.graphs.backend import (
+    CaptureBackend,
+    CaptureMethod,
+    CapturePassResult,
+    RecordedCall,
+    RegionGraphs,
+)
 from lightning_cudagraph.hooks import hooks_stashed
-from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.snapshot import TrainingState
 from lightning_cudagraph.stages import StageMachine
 
 
-class RegionCapturer:
+class NarrowingCapture:
     """Runs capture passes until the regions left can all be captured, or nothing is left.
 
     Args:
@@ -32,7 +37,7 @@ class RegionCapturer:
         regions: Which targets are captured; exclusions and replacements are recorded there.
 
     Example:
-        >>> capturer = RegionCapturer(config, backend, machine, regions)  # doctest: +SKIP
+        >>> capturer = NarrowingCapture(config, backend, machine, regions)  # doctest: +SKIP
         >>> regions = capturer.capture(plan.calls, replan, warmup_iters=3)  # doctest: +SKIP
     """
 
@@ -50,8 +55,8 @@ class RegionCapturer:
         calls: list[RecordedCall],
         replan: Callable[[], list[RecordedCall]],
         warmup_iters: int,
-        how: RegionCapture | None = None,
-    ) -> list[Region] | None:
+        how: CaptureMethod | None = None,
+    ) -> list[RegionGraphs] | None:
         """The regions captured, or ``None`` when the capture failed as a whole (then it has rolled back).
 
         Args:
@@ -70,7 +75,9 @@ class RegionCapturer:
             captured = self._pass(replan(), warmup_iters, how)
         return None if captured is None else captured.regions
 
-    def _pass(self, calls: list[RecordedCall], warmup_iters: int, how: RegionCapture | None) -> RegionCaptures | None:
+    def _pass(
+        self, calls: list[RecordedCall], warmup_iters: int, how: CaptureMethod | None
+    ) -> CapturePassResult | None:
         """One capture pass, its outcome agreed by every rank; ``None`` when it failed as a whole (rolled back)."""
         modules = [call.module for call in calls]
         self.metrics = MetricUpdates((call.name, call.module) for call in calls)
@@ -84,7 +91,7 @@ class RegionCapturer:
                 if captured.failed and guard is not None:  # reported, not raised: the generator is still put back
                     guard.mark_failed()
         except Exception as err:  # a failed capture must not end training silently, nor leak anything
-            error, captured = err, RegionCaptures()
+            error, captured = err, CapturePassResult()
         finally:
             self.machine.report.capture_ms_total += (time.perf_counter() - started) * 1e3
             self.updated = self.metrics.changed()
@@ -104,7 +111,7 @@ class RegionCapturer:
         }
         return captured
 
-    def _narrow(self, captured: RegionCaptures) -> bool:
+    def _narrow(self, captured: CapturePassResult) -> bool:
         """Leave the regions that failed eager (a layer: its parts instead); ``False`` if nothing is left to try."""
         for region in captured.regions:  # one pass, one pool: the others are captured again
             region.reset()

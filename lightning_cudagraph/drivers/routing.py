@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph.compiling import CompiledForwards
 from lightning_cudagraph.drivers.evidence import relative_error
-from lightning_cudagraph.graphs.backend import Region
+from lightning_cudagraph.graphs.backend import RegionGraphs
 from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.recording import WarmupRecorder
@@ -88,7 +88,7 @@ class PatchedForwards:
 class ReplayEntry:
     """A captured region and what the router keeps about it."""
 
-    region: Region
+    region: RegionGraphs
     parity_checked: bool = False
 
 
@@ -191,7 +191,7 @@ class CallRouter:
             return self._confirming_call(route, entry, forward, args, kwargs)
         return self._replay(route, entry, args, kwargs)
 
-    def on_backward(self, region: Region) -> None:
+    def on_backward(self, region: RegionGraphs) -> None:
         """A region's backward graph is about to replay (confirmation checks the order)."""
         if self._route is not None and self._route.confirming:
             self._route.backward_order.append(region.name)
@@ -233,7 +233,9 @@ class CallRouter:
         return output
 
 
-def _mismatch(region: Region, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def _mismatch(
+    region: RegionGraphs, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
     """Why this call cannot replay the region's graph, or ``None`` (a cheap check for plain positional calls)."""
     signature = region.signature
     grad, autocast = grad_and_autocast_state()

@@ -22,14 +22,14 @@ from lightning_cudagraph.compiling import CompiledForwards
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver, LevelSettings, shape_change_error
 from lightning_cudagraph.drivers.evidence import StateWatch
-from lightning_cudagraph.drivers.region_capture import RegionCapturer
+from lightning_cudagraph.drivers.region_capture import NarrowingCapture
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, ReplayEntry, StepRoute
 from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.graphs.backend import CaptureBackend, RegionCapture
+from lightning_cudagraph.graphs.backend import CaptureBackend, CaptureMethod, RecordedCall
 from lightning_cudagraph.health import Stage
 from lightning_cudagraph.hooks import inner_hook_count
-from lightning_cudagraph.recording import RecordedCall, WarmupRecorder
+from lightning_cudagraph.recording import WarmupRecorder
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.stages import StageMachine
 
@@ -52,7 +52,7 @@ class ScopedDriver(Driver):
     """
 
     #: How regions are captured (``None``: the backend's default, PyTorch's forward/backward graph pairs).
-    region_capture: RegionCapture | None = None
+    capture_method: CaptureMethod | None = None
 
     def __init__(
         self,
@@ -68,7 +68,7 @@ class ScopedDriver(Driver):
         self.regions = regions
         self.targets = regions.targets
         self.recorder = WarmupRecorder(self.targets)
-        self.capturer = RegionCapturer(self.config, self.backend, self.machine, regions)
+        self.narrowing = NarrowingCapture(self.config, self.backend, self.machine, regions)
         self.state = StateWatch()
         self.router = CallRouter(
             self.report,
@@ -289,11 +289,11 @@ class ScopedDriver(Driver):
         self._before_first_capture()
         self._note_memory_before_capture()
         started = time.perf_counter()
-        regions = self.capturer.capture(
+        regions = self.narrowing.capture(
             calls,
             lambda: self.recorder.plan(self.regions.left_out(), batch).calls,
             self.settings.warmup_iters,
-            self.region_capture,
+            self.capture_method,
         )
         if regions is None:
             return False
@@ -306,7 +306,7 @@ class ScopedDriver(Driver):
         self._autocast = self._autocast or any(region.signature.autocast[0] for region in regions)
         if not self._captured(started, sum(len(s.entries) for s in self.graph_sets.values())):
             return False
-        updated = self.capturer.updated
+        updated = self.narrowing.updated
         if updated:
             self.machine.rollback(
                 f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside a captured region; a replay"

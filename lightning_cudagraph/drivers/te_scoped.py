@@ -42,7 +42,7 @@ class TEScopedDriver(ScopedDriver):
                 f"{self.component}: FP8 weights are quantized once per optimizer step and reused by the other"
                 f" {trainer.accumulate_grad_batches - 1} micro-batch(es) of each accumulation window"
             )
-        self.region_capture = functools.partial(capture_te_regions, fp8_recipe=recipe, weight_cache=self.weight_cache)
+        self.capture_method = functools.partial(capture_te_regions, fp8_recipe=recipe, weight_cache=self.weight_cache)
 
     def _begin_graphed_step(self, graph_set: GraphSet, step: int, confirming: bool, accumulating: bool) -> None:
         if self.weight_cache is not None:

@@ -19,13 +19,27 @@ import torch
 from torch import Tensor
 
 from lightning_cudagraph.graphs.state import module_state_preserved
-from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature
 from lightning_cudagraph.timing import StepTimer
 
 
-class Region(Protocol):
-    """A captured target: replays its graphs in place of the module's forward (and backward)."""
+@dataclass
+class RecordedCall:
+    """A target's call seen during eager warmup steps: how to run it, what it was called with, and its signature.
+
+    The drivers hand these to :meth:`CaptureBackend.capture_regions`; ``samples`` are the call's real inputs
+    (detached copies), so a capture never feeds a module values it would not see.
+    """
+
+    name: str
+    module: torch.nn.Module
+    forward: Callable[..., Any]
+    signature: CallSignature
+    samples: list[Tensor]
+
+
+class RegionGraphs(Protocol):
+    """One region's graphs: replays them in place of the target module's forward (and backward)."""
 
     name: str
     module: torch.nn.Module
@@ -70,23 +84,23 @@ class PreparedOptimizer(Protocol):
 
 
 @dataclass
-class RegionCaptures:
-    """What one capture pass produced: the regions captured, or the calls that could not be, with the error.
+class CapturePassResult:
+    """One capture pass's result: the regions captured, or the calls that could not be, with the error.
 
     With a failure, the driver captures again without that call, into a new pool (:meth:`CaptureBackend.renew_pool`);
     regions a failed pass returns anyway are reset first.
     """
 
-    regions: list[Region] = field(default_factory=list)
+    regions: list[RegionGraphs] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)
     #: Every call of the pass was warmed up on the capture stream before it failed: a pass over what is left (the
     #: same calls, or parts of them, which ran inside them) needs no warmup again.
     warmed: bool = False
 
 
-#: How regions are captured: ``capture(calls, *, pool, stream, warmup_iters) -> RegionCaptures`` (PyTorch's, or TE's,
-#: which captures all calls at once and raises on a failure).
-RegionCapture = Callable[..., RegionCaptures]
+#: A method of capturing regions: ``capture(calls, *, pool, stream, warmup_iters) -> CapturePassResult`` (PyTorch's,
+#: or TE's, which captures all calls at once and raises on a failure).
+CaptureMethod = Callable[..., CapturePassResult]
 
 
 class CaptureBackend(ABC):
@@ -114,8 +128,8 @@ class CaptureBackend(ABC):
 
     @abstractmethod
     def capture_regions(
-        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
-    ) -> RegionCaptures:
+        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: CaptureMethod | None = None
+    ) -> CapturePassResult:
         """Capture the recorded calls in execution order into the shared pool; ``capture`` overrides how."""
 
     @abstractmethod

@@ -17,9 +17,10 @@ import torch
 
 from lightning_cudagraph.graphs.backend import (
     CaptureBackend,
+    CaptureMethod,
+    CapturePassResult,
     PreparedOptimizer,
-    RegionCapture,
-    RegionCaptures,
+    RecordedCall,
     StepGraph,
 )
 from lightning_cudagraph.graphs.capture import gc_frozen, graph_capture
@@ -31,7 +32,6 @@ from lightning_cudagraph.graphs.state import (
     device_index,
     module_state_preserved,
 )
-from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.timing import StepTimer
 
 
@@ -105,8 +105,8 @@ class CUDABackend(CaptureBackend):
             torch.cuda.set_stream(previous)
 
     def capture_regions(
-        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: RegionCapture | None = None
-    ) -> RegionCaptures:
+        self, calls: Sequence[RecordedCall], warmup_iters: int, capture: CaptureMethod | None = None
+    ) -> CapturePassResult:
         """Capture with ``capture`` (PyTorch's forward/backward pairs by default) on the side stream, GC frozen."""
         capture = capture or capture_regions
         with gc_frozen():

@@ -22,9 +22,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.graphs.backend import RegionCaptures
+from lightning_cudagraph.graphs.backend import CapturePassResult, RecordedCall
 from lightning_cudagraph.graphs.capture import graph_capture
-from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature, distinct_tensors, rebuild_call
 
 
@@ -148,7 +147,7 @@ def capture_regions(
     pool: Any,
     stream: torch.cuda.Stream,
     warmup_iters: int = 3,
-) -> RegionCaptures:
+) -> CapturePassResult:
     """Capture the given calls, in their execution order, into one memory pool on ``stream``.
 
     A call whose warmup or capture raises (a host sync, a CPU-GPU copy, a data-dependent shape) ends the pass: the
@@ -187,12 +186,12 @@ def capture_regions(
     except Exception as error:  # one call cannot be captured: say which (an interrupt still propagates)
         for region in regions:
             region.reset()
-        return RegionCaptures(failed={name: error}, warmed=warmed)
+        return CapturePassResult(failed={name: error}, warmed=warmed)
     except BaseException:
         for region in regions:
             region.reset()
         raise
-    return RegionCaptures(list(regions))  # a list of the base class, for the backend's type
+    return CapturePassResult(list(regions))  # a list of the base class, for the backend's type
 
 
 def _functional(call: RecordedCall) -> Callable[..., tuple[tuple[Tensor, ...], tuple[Any, pytree.TreeSpec]]]:

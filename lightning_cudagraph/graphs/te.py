@@ -20,9 +20,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.graphs.backend import RegionCaptures
+from lightning_cudagraph.graphs.backend import CapturePassResult, RecordedCall
 from lightning_cudagraph.graphs.local import autocast_of, tensor_addresses
-from lightning_cudagraph.recording import RecordedCall
 from lightning_cudagraph.signature import CallSignature, rebuild_call
 
 
@@ -116,7 +115,7 @@ def capture_te_regions(
     warmup_iters: int,
     fp8_recipe: Any | None,
     weight_cache: FP8WeightCache | None = None,
-) -> RegionCaptures:
+) -> CapturePassResult:
     """Capture the calls with ``transformer_engine.pytorch.make_graphed_callables`` into one pool on ``stream``.
 
     TE captures every call in one pass, so a failing call fails the pass (it raises; nothing is left out).
@@ -157,7 +156,7 @@ def capture_te_regions(
             regions.append(
                 TERegion(call.name, module, call.signature, forward, reset, addresses, weight_cache=weight_cache)
             )
-        return RegionCaptures(list(regions))  # a list of the base class, for the backend's type
+        return CapturePassResult(list(regions))  # a list of the base class, for the backend's type
     finally:
         for module, guard in zip(modules, guards, strict=True):
             for attribute in ("forward", "reset", "backward_dw"):
