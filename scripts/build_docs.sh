@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build the documentation site with warnings as errors (`mkdocs build --strict`) into a temporary folder.
+#
+#   scripts/build_docs.sh [SITE_DIR]
+#
+# It installs nothing: install the docs tools first, `pip install -e ".[docs]"` (torch is not needed; the API
+# reference is read from the source). SITE_DIR keeps the built site; without it the site is removed at the end.
+# MKDOCS picks the mkdocs command (default: `python -m mkdocs`, with PYTHON defaulting to python3).
+set -euo pipefail
+
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+root="$(cd "$(dirname "$0")/.." && pwd)"
+python=${PYTHON:-python3}
+if [[ -n ${1:-} ]]; then
+  site=$1
+else
+  site=$(mktemp -d)
+  trap 'rm -rf "$site"' EXIT
+fi
+cd "$root"
+if [[ -n ${MKDOCS:-} ]]; then
+  mkdocs=("$MKDOCS")
+elif "$python" -c "import mkdocs, mkdocstrings, material" 2>/dev/null; then
+  mkdocs=("$python" -m mkdocs)
+else
+  echo "build_docs: the docs tools are not installed for $python; run: pip install -e \".[docs]\"" >&2
+  exit 1
+fi
+"${mkdocs[@]}" build --strict --site-dir "$site"
+echo "build_docs: built $(find "$site" -name '*.html' | wc -l) pages into $site"
