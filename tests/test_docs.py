@@ -1,0 +1,128 @@
+"""The docs a user reads in a hurry stay true to the code: every reason has its fix, the README stays short.
+
+The reasons are read from the package's source with ``ast``: the leading token of every string that starts
+``token: `` (``"capture_failed: ..."``, ``f"shape_unstable: {...}"``) and every plain token passed to
+``disable(...)`` or ``rollback(...)`` (``"no_cuda"``). docs/troubleshooting.md gives each one a ``### `token` ``
+heading.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import yaml  # type: ignore[import-untyped]
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lightning_cudagraph"
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+TROUBLESHOOTING = DOCS / "troubleshooting.md"
+
+#: Strings that start like a reason but are not one: the package's name as a message prefix, and the prefix the
+#: stage machine puts before every rollback's own reason.
+NOT_REASONS = {"lightning_cudagraph", "rollback"}
+_TOKEN = re.compile(r"^([a-z]+(?:_[a-z]+)*): ")
+_PLAIN_TOKEN = re.compile(r"[a-z]+(?:_[a-z]+)*")
+_HEADING = re.compile(r"^### `([a-z_]+)`\s*$", re.MULTILINE)
+
+
+def _leading_text(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return str(node.values[0].value)
+    return None
+
+
+def reasons_in_code() -> dict[str, list[str]]:
+    """Every reason token of the package, with where it is made (``path:line``)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            text = _leading_text(node)
+            match = _TOKEN.match(text) if text is not None else None
+            if match and match.group(1) not in NOT_REASONS:
+                found.setdefault(match.group(1), []).append(where)
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+                continue
+            first = node.args[0]
+            if node.func.attr in ("disable", "rollback") and isinstance(first, ast.Constant):
+                if _PLAIN_TOKEN.fullmatch(str(first.value)):
+                    found.setdefault(str(first.value), []).append(where)
+    return found
+
+
+def reasons_in_troubleshooting() -> set[str]:
+    return set(_HEADING.findall(TROUBLESHOOTING.read_text()))
+
+
+def test_the_reason_scan_finds_the_known_reasons() -> None:
+    # A scan that found nothing would let the two tests below pass on an empty page.
+    found = reasons_in_code()
+    assert {"no_cuda", "capture_failed", "memory_budget", "not_engaged", "not_faster"} <= found.keys()
+    assert {"optimizer_setting_changed", "metric_in_graph", "shape_unstable", "parity"} <= found.keys()
+
+
+def test_every_reason_in_the_code_has_a_troubleshooting_entry() -> None:
+    missing = {token: where for token, where in reasons_in_code().items() if token not in reasons_in_troubleshooting()}
+    assert not missing, f"docs/troubleshooting.md has no `### `token`` entry for: {missing}"
+
+
+def test_the_troubleshooting_page_lists_no_reason_the_code_lacks() -> None:
+    stale = reasons_in_troubleshooting() - reasons_in_code().keys()
+    assert not stale, f"docs/troubleshooting.md explains reasons the package no longer gives: {sorted(stale)}"
+
+
+def test_the_readme_is_at_most_160_lines() -> None:
+    lines = len(README.read_text().splitlines())
+    assert lines <= 160, f"README.md has {lines} lines; move the detail to docs/"
+
+
+def test_the_readme_test_command_is_the_one_ci_runs() -> None:
+    readme = README.read_text()
+    assert 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q' in readme
+    assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+    assert 'torch==2.13.0 -e ".[test]"' in (ROOT / "scripts" / "fresh_venv.sh").read_text()
+    example = "python examples/gpt.py fit --config examples/gpt_small.yaml"
+    assert f'pip install torch==2.13.0 -e ".[examples]" && {example}' in readme
+    assert (ROOT / "examples" / "gpt.py").is_file()
+    assert (ROOT / "examples" / "gpt_small.yaml").is_file()
+
+
+def test_the_readme_links_to_files_that_exist() -> None:
+    links = re.findall(r"\]\(([^)#]+)\)", README.read_text())
+    local = [link for link in links if not link.startswith("http")]
+    assert any(link.startswith("docs/") for link in local)
+    assert [link for link in local if not (ROOT / link).exists()] == []
+
+
+def test_every_page_of_the_site_navigation_exists() -> None:
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    pages = [next(iter(entry.values())) for entry in config["nav"]]
+    assert "troubleshooting.md" in pages
+    assert [page for page in pages if not (DOCS / page).is_file()] == []
+
+
+def test_the_api_reference_covers_every_public_name() -> None:
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    public = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+    )
+    api = (DOCS / "api.md").read_text()
+    missing = [name for name in public if name != "__version__" and f"::: lightning_cudagraph.{name}\n" not in api]
+    assert missing == []
+
+
+def test_the_readme_results_table_is_the_benchmarks_page_table() -> None:
+    # docs/benchmarks.md is generated from the committed JSON; the README's table must be its "README table".
+    page = (DOCS / "benchmarks.md").read_text()
+    section = page.split("## README table", 1)[1].split("\n## ", 1)[0]
+    expected = [line for line in section.splitlines() if line.startswith("|")]
+    shown = [line for line in README.read_text().splitlines() if line.startswith("| ") or line.startswith("|---")]
+    assert expected
+    assert shown == expected
