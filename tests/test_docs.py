@@ -49,9 +49,9 @@ def reasons_in_code() -> dict[str, list[str]]:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
                 continue
             first = node.args[0]
-            if node.func.attr in ("disable", "rollback") and isinstance(first, ast.Constant):
-                if _PLAIN_TOKEN.fullmatch(str(first.value)):
-                    found.setdefault(str(first.value), []).append(where)
+            token = str(first.value) if isinstance(first, ast.Constant) else ""
+            if node.func.attr in ("disable", "rollback") and _PLAIN_TOKEN.fullmatch(token):
+                found.setdefault(token, []).append(where)
     return found
 
 
