@@ -21,6 +21,7 @@ else
   trap 'rm -rf "$site"' EXIT
 fi
 cd "$root"
+export NO_MKDOCS_2_WARNING=1  # Material's banner about its successor, printed on every build
 if [[ -n ${MKDOCS:-} ]]; then
   mkdocs=("$MKDOCS")
 elif "$python" -c "import mkdocs, mkdocstrings, material" 2>/dev/null; then
