@@ -1,270 +1,308 @@
-"""The walk of ``scope="auto"`` 's ladder during a fit: switch levels, time each one, move on or go back.
+"""The level runner: one runner drives every fit, a fixed scope's one level and ``scope="auto"`` 's ladder alike.
 
 :class:`~lightning_cudagraph.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
-steps. A level is timed over its first steps on graphs with the backend's timer: CUDA events, read once per
-decision, so no host sync per step; a step's time runs from the end of the step before, Lightning's work between
-steps included. Every move happens at the end of a training batch, so the next step starts on the new level: a
-scoped level captures at once from the samples recorded during warmup; the whole step runs one eager step with its
-capturable optimizer first (NCCL's eager steps first under DDP).
+steps, through the driver interface only. It times the steps of the fit with the backend's timer: CUDA events,
+read once per log interval or decision, so no host sync per step. The eager steps before the first capture give
+the eager baseline; under ``scope="auto"`` each level is then timed over its first steps on graphs (a step's time
+runs from the end of the step before, Lightning's work between steps included). Every move happens at the end of
+a training batch, so the next step starts on the new level: a scoped level captures at once from the samples
+recorded during warmup; the whole step runs one eager step with its capturable optimizer first (NCCL's eager steps
+first under DDP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_cudagraph.config import FULL_ITERATION
-from lightning_cudagraph.drivers.base import Driver
-from lightning_cudagraph.drivers.scoped import ScopedDriver
+from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport, Stage
-from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung
-from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP
-from lightning_cudagraph.scopes import Target
+from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder
+from lightning_cudagraph.levels import Level, Plan
+from lightning_cudagraph.preflight import eager_steps_before_whole_step
 from lightning_cudagraph.stages import StageMachine
 from lightning_cudagraph.timing import StepTimer, median
 
+__all__ = ["Climb", "LevelRun", "MakeDriver", "RunningFit"]
 
-class Climb:
-    """Walks the ladder of one fit.
+#: Builds a level's driver: the level, its settings, and what runs right before its first capture.
+MakeDriver = Callable[[Level, LevelSettings, Callable[[], None]], Driver]
 
-    Args:
-        rungs: From :func:`~lightning_cudagraph.ladder.build_rungs`.
-        report: The ladder's rows, the level and the timings are written here.
-        component: Named in messages.
+
+@dataclass
+class LevelRun:
+    """The runner's view of the level training is on: steps on its graphs, and the steps timed so far.
+
+    Attributes:
+        capture_mark: The fit's capture time when the level began (its row gets the captures since).
+        since_capture: Steps on graphs since the level's capture.
+        timing: Whether the step in progress counts towards the level's time.
+        measured: Steps timed so far.
+        due: Steps to time before the decision.
+        times: Their times, read so far (ms).
     """
 
-    def __init__(self, rungs: Sequence[Rung], report: CUDAGraphReport, component: str) -> None:
-        self.ladder = Ladder(rungs, report)
-        self.report, self.component = report, component
-        #: The driver of the level training is on (``None`` until :meth:`attach`).
-        self.driver: Driver | None = None
-        self._make_driver: Callable[[bool, list[str]], Driver] | None = None
-        self._machine: StageMachine | None = None
-        self._backend: CaptureBackend | None = None
-        self._trainer: pl.Trainer | None = None
-        self._window = StepTimer(use_cuda=False)
-        self._timing = False
-        self._measured = 0
-        self._due = MEASURE_STEPS
-        self._times: list[float] = []
-        self._regions_of: dict[str, frozenset[str]] = {}
-        self._since_capture = 0
-        self._pending: Rung | None = None
-        self._driver_released = False
-        self._capture_mark = 0.0
+    capture_mark: float
+    since_capture: int = 0
+    timing: bool = False
+    measured: int = 0
+    due: int = MEASURE_STEPS
+    times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RunningFit:
+    """What the runner works with once training can start (from :meth:`Climb.attach` on).
+
+    Attributes:
+        trainer: The Trainer of the fit.
+        backend: Gives the timers and a new pool for each level.
+        machine: The stage machine; a level's failure is offered to the runner before it becomes a rollback.
+        make_driver: Builds the driver of a level (:class:`~lightning_cudagraph.factory.DriverFactory`).
+        driver: The driver of the level training is on.
+        steps: Times every training step (read once per log interval).
+        window: Times the steps of a level on its graphs (read once per decision).
+    """
+
+    trainer: pl.Trainer
+    backend: CaptureBackend
+    machine: StageMachine
+    make_driver: MakeDriver
+    driver: Driver
+    steps: StepTimer
+    window: StepTimer
+
+
+class Climb:
+    """Runs the ladder of one fit: its drivers, its step times, and the moves between levels.
+
+    Args:
+        plan: From :func:`~lightning_cudagraph.planning.plan`.
+        report: The ladder's rows, the level and the timings are mirrored here.
+        component: Named in messages.
+        settings: A fixed scope's driver settings (:meth:`LevelSettings.of`); a walked ladder derives its own.
+    """
+
+    def __init__(self, plan: Plan, report: CUDAGraphReport, component: str, settings: LevelSettings) -> None:
+        #: The levels of the fit and what their drivers patch.
+        self.plan = plan
+        self.ladder = Ladder(plan.levels, report, climbs=plan.climbs)
+        self.report, self.component, self.settings = report, component, settings
+        self._running: RunningFit | None = None
+        self._eager: list[float] | None = []  # eager step times until the baseline is noted (then None)
+        self._level = LevelRun(capture_mark=0.0)
+        self._pending: Level | None = None  # where a failure sent the ladder (its driver is released)
 
     @property
-    def rungs(self) -> list[Rung]:
-        """The rungs to try, in order."""
-        return self.ladder.to_try
+    def driver(self) -> Driver | None:
+        """The driver of the level training is on (``None`` until :meth:`attach`)."""
+        return self._running.driver if self._running is not None else None
 
     @property
-    def scoped_targets(self) -> list[Target]:
-        """Every target of every scoped rung (all are patched for the fit)."""
-        return self.ladder.scoped_targets
+    def _fit(self) -> RunningFit:
+        if self._running is None:
+            raise RuntimeError("the level runner moves between levels only once attached")
+        return self._running
 
-    def check_full_step(self, problem: str | None) -> None:
-        """Skip the whole-step rung when the optimizers rule it out."""
-        if problem is not None:
-            self.ladder.skip(FULL_ITERATION, problem)
-
-    def attach(
-        self,
-        trainer: pl.Trainer,
-        backend: CaptureBackend,
-        machine: StageMachine,
-        make_driver: Callable[[bool, list[str]], Driver],
-    ) -> None:
-        """Start on the first rung: its driver runs the warmup steps, recording every scoped rung's targets.
-
-        Args:
-            trainer: The Trainer of the fit.
-            backend: Gives the timer and a new pool for each level.
-            machine: The stage machine; a level's failure is offered to the climb before it becomes a rollback.
-            make_driver: Builds a driver for the whole step (``True``) or for the named scoped targets.
-        """
-        self._trainer, self._backend, self._machine, self._make_driver = trainer, backend, machine, make_driver
-        self._window = backend.timer()
+    def attach(self, trainer: pl.Trainer, backend: CaptureBackend, machine: StageMachine, make: MakeDriver) -> None:
+        """Start on the first level: its driver runs the warmup steps (recording every scoped level's targets)."""
+        level = self.ladder.current
+        if level is None:
+            raise RuntimeError("a ladder with no level to try has nothing to attach (the rollout turns graphs off)")
+        driver = make(level, self._settings_for(self.settings), self._note_eager_baseline)
+        self._running = RunningFit(trainer, backend, machine, make, driver, backend.timer(), backend.timer())
         machine.on_level_failure = self._level_failed
-        rung = self.ladder.current
-        self.driver = make_driver(rung.full_step, _names(rung))
-        self._enter(rung)
+        self._enter(level)
 
     # ------------------------------------------------------------------ per step (no host sync)
-    def step_started(self) -> None:
-        """Note whether this step counts towards the level's time.
+    def batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Hand the batch to the driver, start its timer, and note whether it counts towards the level's time.
 
-        It does when it replays the level's graphs once they are confirmed: confirming steps also run the parity
+        It counts when it replays the level's graphs once they are confirmed: confirming steps also run the parity
         checks' eager forwards, which would make a level look slower (and its timing noisier) than it is.
         """
-        self._timing = (
-            self._machine is not None
-            and not self.ladder.settled
+        fit = self._running
+        if fit is None:
+            return
+        fit.driver.begin_batch(trainer, batch)
+        fit.steps.start()
+        run = self._level
+        run.timing = (
+            not self.ladder.settled
             and self._pending is None
-            and self._since_capture >= 1
-            and self._machine.stage == Stage.REPLAYING
+            and run.since_capture >= 1
+            and fit.machine.stage == Stage.REPLAYING
         )
 
-    def step_ended(self) -> None:
-        """Count the step towards its level.
-
-        A timed step's time runs from the previous step's end to its own, so Lightning's work between steps counts
-        as it does in training.
-        """
-        if self.ladder.settled or self._machine is None:
+    def batch_ended(self, outputs: Any) -> None:
+        """Close the step: the driver's checks, then count it towards its level."""
+        fit = self._running
+        if fit is None:
+            return
+        fit.steps.stop()
+        fit.driver.end_step(outputs)
+        machine = fit.machine
+        if machine.stage == Stage.WARMUP:
+            machine.warmup_losses.observe(outputs)
+        if self.ladder.settled:
             return
         self.ladder.row.steps += 1
-        on_graphs = self._machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
-        self._since_capture += on_graphs
-        if self._timing:
-            self._window.stop()
-            self._measured += 1
-        if on_graphs and self._since_capture >= 1:
-            self._window.start()
+        on_graphs = machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
+        run = self._level
+        run.since_capture += on_graphs
+        if run.timing:
+            fit.window.stop()
+            run.measured += 1
+        if on_graphs and run.since_capture >= 1:
+            fit.window.start()
+
+    def read_step_times(self) -> None:
+        """Once per log interval: read the steps' times (one host sync on CUDA) and mirror their median.
+
+        Eager steps before the first capture are kept for the eager baseline instead.
+        """
+        fit = self._running
+        if fit is None:
+            return
+        times = fit.steps.read()
+        if self._eager is not None and fit.machine.stage == Stage.WARMUP:
+            self._eager.extend(times)
+        elif times:
+            self.report.step_ms = median(times)
+
+    def _note_eager_baseline(self) -> None:
+        """Right before the first capture: the eager baseline from the eager steps so far (one host sync, once)."""
+        if self._eager is None:
+            return
+        times, self._eager = [*self._eager, *self._fit.steps.read()], None
+        times = times[1:] if len(times) > 1 else times  # the first step compiles kernels and fills caches
+        (self.ladder.eager_ms,) = self._fit.machine.agreement.slowest(median(times))
+        self.report.eager_step_ms = self.ladder.eager_ms
 
     def move_if_due(self) -> None:
         """At the end of a batch: go where a failure sent the ladder, or decide once the level is confirmed, timed."""
-        if self._machine is None:
+        fit = self._running
+        if fit is None:
             return
-        machine = self._machine
         if self._pending is not None:
-            rung, self._pending = self._pending, None
-            self._switch(rung)
-        elif not self.ladder.settled and self._measured >= self._due and machine.stage == Stage.REPLAYING:
+            level, self._pending = self._pending, None
+            self._switch(level)
+        elif (
+            not self.ladder.settled and self._level.measured >= self._level.due and fit.machine.stage == Stage.REPLAYING
+        ):
             self._time_or_decide()
 
     # ------------------------------------------------------------------ decisions
     def _time_or_decide(self) -> None:
         """Decide on the steps timed so far (one host sync), or time a close call over a few more steps."""
-        same = self._same_regions_as()
+        fit, run = self._fit, self._level
+        same = self.ladder.same_regions(fit.driver.captured_regions()) if not run.times else None
         if same is not None:
-            self._measured, self._times = 0, []
             self._note_capture_time()
             self._follow(self.ladder.same_as(same))
             return
-        self._times.extend(self._window.read())
-        spread = max(self._times) / max(min(self._times), 1e-9)
-        step_ms, spread = self._machine.agreement.slowest(median(self._times), spread)
-        unsure = self.ladder.close_call(step_ms, self.report.eager_step_ms, spread)
-        if len(self._times) < MAX_MEASURE_STEPS and unsure:
-            self._due = MAX_MEASURE_STEPS
+        run.times.extend(fit.window.read())
+        spread = max(run.times) / max(min(run.times), 1e-9)
+        step_ms, spread = fit.machine.agreement.slowest(median(run.times), spread)
+        if len(run.times) < MAX_MEASURE_STEPS and self.ladder.close_call(step_ms, spread):
+            run.due = MAX_MEASURE_STEPS
             return
-        self._decide(step_ms)
-
-    def _same_regions_as(self) -> str | None:
-        """A rung timed before whose regions the current one captures too (``None`` if none, or not scoped)."""
-        driver = self.driver
-        if not isinstance(driver, ScopedDriver) or self._times:
-            return None
-        regions = frozenset(target.name for target in driver.regions.active_targets)
-        self._regions_of[self.ladder.current.name] = regions
-        return next(
-            (name for name, seen in self._regions_of.items() if seen == regions and name != self.ladder.current.name),
-            None,
-        )
-
-    def _decide(self, step_ms: float) -> None:
-        self._measured, self._times = 0, []
         self._note_capture_time()
-        self._follow(self.ladder.measured(step_ms, self.report.eager_step_ms))
+        self._follow(self.ladder.measured(step_ms))
 
-    def _follow(self, rung: Rung | None) -> None:
-        """Carry out where the ladder says to go: nowhere (settled here), eager training, or another rung."""
-        machine = self._machine
-        if rung is EAGER:
-            machine.disable(
+    def _follow(self, level: Level | None) -> None:
+        """Carry out where the ladder says to go: nowhere (settled here), eager training, or another level."""
+        if level is EAGER:
+            self._fit.machine.disable(
                 "not_faster",
-                detail=f"no level of scope='auto' was faster than eager training ({self.report.eager_step_ms:.2f}"
+                detail=f"no level of scope='auto' was faster than eager training ({self.ladder.eager_ms:.2f}"
                 f" ms/step) by the margin: {self.ladder.describe()}; training goes on eagerly",
             )
-        elif rung is None:
-            self._settled()
+        elif level is None:
+            self._settle()
         else:
-            self._switch(rung)
+            self._switch(level)
 
     def _level_failed(self, reason: str) -> bool:
         """A level failed while climbing: try the next level, or go back to the best one confirmed (``False``: none)."""
-        if self.ladder.settled or self._machine is None:
+        fit = self._running
+        if self.ladder.settled or fit is None:
             return False
-        failed = self.ladder.current.name
+        failed = self.ladder.row.level
         self._note_capture_time()
-        rung = self.ladder.failed(reason)
-        if rung is EAGER or rung is None:
+        level = self.ladder.failed(reason)
+        if level is EAGER or level is None:
             return False
         where = (
-            f"goes back to {rung.name!r}, the fastest level confirmed before it"
+            f"goes back to {level.name!r}, the fastest level confirmed before it"
             if self.ladder.settled
-            else f"tries {rung.name!r} next"
+            else f"tries {level.name!r} next"
         )
         rank_zero_warn(f"{self.component}: level {failed!r} of scope='auto' failed ({reason}); training {where}")
-        self.driver.release()
-        self._driver_released = True
-        self._pending = rung
+        fit.driver.release()
+        self._pending = level
         return True
 
     # ------------------------------------------------------------------ moving
-    def _switch(self, rung: Rung) -> None:
-        trainer, driver = self._trainer, self.driver
-        if not rung.full_step and isinstance(driver, ScopedDriver) and not self._driver_released:
-            driver.capture_level(_names(rung))
-        else:
+    def _switch(self, level: Level) -> None:
+        """Move to ``level``: captured in place from the recorded samples, or by a new driver."""
+        fit = self._fit
+        driver = fit.driver
+        if level.whole_step or not driver.switch_level(level.target_names):
             driver.release()
-            self.driver = self._make_driver(rung.full_step, _names(rung))
-            self.driver.take_seal_from(driver)
-            self.driver.first_eager_steps = self._eager_steps_before(rung, trainer)
-            self.driver.start(trainer)
+            eager_steps = eager_steps_before_whole_step(fit.trainer) if level.whole_step else 1
+            settings = replace(self.settings, first_eager_steps=eager_steps)
+            fit.driver = fit.make_driver(level, self._settings_for(settings), self._note_eager_baseline)
+            fit.driver.take_seal_from(driver)
+            fit.driver.start(fit.trainer)
+        else:
+            driver.settings = self._settings_for(driver.settings)
+        fit.backend.renew_pool()
+        fit.machine.begin_level()
+        self._enter(level)
 
-        self._backend.renew_pool()
-        self._machine.begin_level()
-        self._enter(rung)
+    def _settings_for(self, settings: LevelSettings) -> LevelSettings:
+        """A walked ladder's settings for the level it enters; a fixed scope's stay as they are.
 
-    def _enter(self, rung: Rung) -> None:
-        self._measured, self._since_capture, self._timing, self._driver_released = 0, 0, False, False
-        self._times, self._due = [], MEASURE_STEPS
-        self._window.read()  # drop a partial window
-        self._capture_mark = self.report.capture_ms_total
-        self.report.level = rung.name
-        self.driver.measure_pool = self.ladder.settled  # the allocator snapshot once, for the level kept
+        Regions capture after one capture warmup iteration (they already ran on this stream in every step so far),
+        keep their samples while other levels may need them, and read the pool's size once, on the level kept.
+        """
+        if not self.ladder.climbs:
+            return settings
+        settled = self.ladder.settled
+        return replace(settings, warmup_iters=1, keep_samples=not settled, measure_pool=settled)
+
+    def _enter(self, level: Level) -> None:
+        self._fit.window.read()  # drop a partial window
+        self._level = LevelRun(capture_mark=self.report.capture_ms_total)
+        if not self.ladder.climbs:
+            return
+        self.report.level = level.name
         if not self.ladder.settled:
             self.ladder.row.status = "trying"
-        if isinstance(self.driver, ScopedDriver):
-            self.driver.keep_samples = not self.ladder.settled
-            self.driver.warmup_iters = 1  # the regions already ran on this stream in every step so far
-        if self.ladder.settled:
-            rank_zero_info(f"{self.component}: scope='auto' goes back to {rung.name!r}: {self.ladder.describe()}")
+        else:
+            rank_zero_info(f"{self.component}: scope='auto' goes back to {level.name!r}: {self.ladder.describe()}")
 
-    def _settled(self) -> None:
-        driver = self.driver
-        if isinstance(driver, ScopedDriver):
-            driver.forget_samples()
-        driver.measure_pool = True
-        self.report.pool_mib = self._backend.pool_mib()
+    def _settle(self) -> None:
+        fit = self._fit
+        fit.driver.settings = replace(fit.driver.settings, keep_samples=False, measure_pool=True)
+        fit.driver.settle()
+        self.report.pool_mib = fit.backend.pool_mib()
         rank_zero_info(f"{self.component}: scope='auto' settled on {self.report.level!r}: {self.ladder.describe()}")
 
     def _note_capture_time(self) -> None:
+        """Add the captures since the level began to its row."""
         row = self.ladder.row
-        row.capture_ms += self.report.capture_ms_total - self._capture_mark
-        self._capture_mark = self.report.capture_ms_total
-
-    def _eager_steps_before(self, rung: Rung, trainer: pl.Trainer) -> int:
-        """Eager steps before a new driver's capture.
-
-        One: the recording step of scoped regions, or the first step of the optimizers in the capturable form the
-        whole step switches them to (under DDP, as many as NCCL still needs). Optimizers stay as built below the
-        whole step: a capturable optimizer steps slower eagerly.
-        """
-        if rung.full_step and isinstance(trainer.strategy, DDPStrategy):
-            return max(1, DDP_FULL_ITERATION_MIN_WARMUP - trainer.global_step)
-        return 1
+        row.capture_ms += self.report.capture_ms_total - self._level.capture_mark
+        self._level.capture_mark = self.report.capture_ms_total
 
     def release(self) -> None:
-        """The fit ends: nothing pending."""
+        """The fit ends: nothing pending; the driver releases everything it holds."""
         self._pending = None
-
-
-def _names(rung: Rung) -> list[str]:
-    return [target.name for target in rung.targets]
+        if self._running is not None:
+            self._running.driver.release()

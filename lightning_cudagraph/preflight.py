@@ -1,21 +1,17 @@
 """Preflight: the configuration checked against the Trainer, the model and the optimizers, before any capture.
 
 Each rule raises ``ValueError`` (component, value, allowed values, fix). The Trainer and model rules run in
-``setup``; the optimizer rules need the optimizers, which Lightning builds in ``strategy.setup``, so they run in
-``on_fit_start``: both before the first training step.
+``setup``, beside :func:`lightning_cudagraph.planning.plan`, which plans every level of the fit. The optimizer
+rules need the optimizers, which Lightning builds in ``strategy.setup``, so they run in ``on_fit_start``. Both
+come before the first training step. The NCCL rule of the whole step under DDP
+(:data:`DDP_WHOLE_STEP_WARMUP_STEPS`) lives here alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-from collections.abc import Sequence
 
 import lightning.pytorch as pl
-import torch
-import torch.nn as nn
-import torch.utils.checkpoint
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -30,10 +26,19 @@ from lightning_cudagraph.compile_options import inductor_graphs_in
 from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig, Verbatim, config_error
 from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
 from lightning_cudagraph.hooks import hooked_modules
-from lightning_cudagraph.scopes import Target, resolve_scopes
 
-#: Eager DDP steps NCCL needs before the all-reduce can be captured (PyTorch's CUDA-graph notes).
-DDP_FULL_ITERATION_MIN_WARMUP = 11
+__all__ = [
+    "DDP_WHOLE_STEP_WARMUP_STEPS",
+    "check_ddp_warmup",
+    "check_optimizers",
+    "check_trainer",
+    "check_whole_step_hooks",
+    "eager_steps_before_whole_step",
+    "whole_step_optimizer_problem",
+]
+
+#: Eager DDP steps NCCL needs before its all-reduce can be captured (PyTorch's CUDA-graph notes).
+DDP_WHOLE_STEP_WARMUP_STEPS = 11
 _SUPPORTED_PRECISION = (MixedPrecision, HalfPrecision, DoublePrecision, TransformerEnginePrecision)
 
 
@@ -74,34 +79,17 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
         )
 
 
-def check_auto_overrides(config: CUDAGraphConfig, module: pl.LightningModule, component: str) -> None:
-    """Under ``scope="auto"``: every ``modules=`` override must find modules (custom scopes join every level)."""
-    for name in config.modules:
-        resolve_scopes(module, [name], config.modules, component)  # raises if the override matches nothing
+def whole_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> str | None:
+    """Check the optimizers for the whole step once they exist.
 
-
-def full_step_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
-    """Under ``scope="auto"``: why the whole step cannot be one of the levels of this fit, or ``None``.
-
-    The rules of ``scope=["full_iteration"]`` apply, except the eager steps DDP needs: by the time the ladder
-    reaches the whole step, they have run.
+    A fixed ``scope=["full_iteration"]`` refuses optimizers it cannot capture (``ValueError``). Under
+    ``scope="auto"`` the reason comes back instead: the whole-step level is skipped with it. ``None``: no problem,
+    or no whole step planned.
     """
-    if not getattr(trainer.strategy, "supports_full_iteration", False):
-        return "only the package's strategies capture the whole step: Trainer(strategy='cudagraph')"
-    whole = dataclasses.replace(config, scope=(FULL_ITERATION,), warmup_steps=DDP_FULL_ITERATION_MIN_WARMUP)
-    module = trainer.lightning_module
-    try:
-        check_trainer(whole, trainer, module, "scope='auto'")
-        check_full_iteration_hooks(whole, module, "scope='auto'")
-    except ValueError as error:
-        return str(error)
-    if config.impl != "local":
-        return f"impl={config.impl!r} captures scoped regions only"
-    return None
-
-
-def full_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
-    """Under ``scope="auto"``: why the optimizers rule the whole step out, or ``None`` (checked once they exist)."""
+    if config.full_iteration:
+        check_optimizers(config, trainer, component)
+    if not config.auto_scope:
+        return None
     try:
         check_optimizers(dataclasses.replace(config, scope=(FULL_ITERATION,)), trainer, "scope='auto'")
     except ValueError as error:
@@ -109,8 +97,8 @@ def full_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer) ->
     return None
 
 
-def check_full_iteration_hooks(config: CUDAGraphConfig, module: pl.LightningModule, component: str) -> None:
-    """Refuse module hooks under full_iteration: they would run once, at capture, and be replayed as captured."""
+def check_whole_step_hooks(config: CUDAGraphConfig, module: pl.LightningModule, component: str) -> None:
+    """Refuse module hooks on the whole step: they would run once, at capture, and be replayed as captured."""
     if not config.full_iteration:
         return
     hooked = hooked_modules(module)
@@ -126,66 +114,8 @@ def check_full_iteration_hooks(config: CUDAGraphConfig, module: pl.LightningModu
         )
 
 
-def check_targets(targets: Sequence[Target], component: str) -> None:
-    """Refuse activation checkpointing inside a captured region (its recompute would replay into the graph).
-
-    Found three ways: a checkpoint wrapper module, a ``gradient_checkpointing`` flag (Hugging Face), or a
-    ``forward`` whose code calls ``torch.utils.checkpoint`` (read from its code object, so comments and strings do
-    not count).
-    """
-    for target in targets:
-        for name, module in target.module.named_modules():
-            wrapped = type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module")
-            functional = forward_calls_checkpoint(type(module))
-            if wrapped or functional or getattr(module, "gradient_checkpointing", False) is True:
-                where = f"{target.name}.{name}" if name else target.name
-                how = f" ({type(module).__name__}.forward calls torch.utils.checkpoint)" if functional else ""
-                raise config_error(
-                    component,
-                    "scope",
-                    target.scope,
-                    "regions without activation checkpointing",
-                    f"{where} uses activation checkpointing{how}; turn it off for captured modules, or pick a scope"
-                    " that does not contain it",
-                )
-
-
-_CHECKPOINT_FUNCTIONS = (torch.utils.checkpoint.checkpoint, torch.utils.checkpoint.checkpoint_sequential)
-
-
-@functools.cache
-def forward_calls_checkpoint(cls: type[nn.Module]) -> bool:
-    """Whether ``cls.forward`` (or a function nested in it) refers to ``torch.utils.checkpoint``'s functions.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> from torch.utils.checkpoint import checkpoint
-        >>> class Block(nn.Module):
-        ...     def forward(self, x):
-        ...         return checkpoint(lambda y: y * 2, x, use_reentrant=False)
-        >>> forward_calls_checkpoint(Block), forward_calls_checkpoint(nn.Linear)
-        (True, False)
-    """
-    forward = inspect.unwrap(getattr(cls, "forward", None))
-    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
-    stack = [code] if code is not None else []
-    while stack:
-        code = stack.pop()
-        stack.extend(const for const in code.co_consts if inspect.iscode(const))
-        names = set(code.co_names)
-        for name in names:
-            value = namespace.get(name)
-            if any(value is fn for fn in _CHECKPOINT_FUNCTIONS):
-                return True
-            if value is torch.utils.checkpoint and names & {"checkpoint", "checkpoint_sequential"}:
-                return True
-            if value is torch and {"utils", "checkpoint"} <= names:
-                return True
-    return False
-
-
 def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
-    """For full_iteration: every optimizer can run its step inside a graph (and under a grad scaler if 16-mixed)."""
+    """For the whole step: every optimizer can run its step inside a graph (and under a grad scaler if 16-mixed)."""
     if not config.full_iteration:
         return
     mixed16 = isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.precision == "16-mixed"
@@ -237,24 +167,32 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
             "pass Trainer(strategy='cudagraph_full') (or 'ddp_cudagraph_full'): the whole-step graph needs the"
             " strategy's batch and optimizer-step hooks",
         )
-    if (
-        config.full_iteration
-        and isinstance(strategy, DDPStrategy)
-        and config.warmup_steps < DDP_FULL_ITERATION_MIN_WARMUP
-    ):
-        raise ddp_warmup_error(component, config.warmup_steps)
+    if isinstance(strategy, DDPStrategy):
+        check_ddp_warmup(config, component)
 
 
-def ddp_warmup_error(component: str, warmup_steps: int) -> ValueError:
-    """The error for too few eager steps before a whole-step capture under DDP."""
-    return config_error(
-        component,
-        "warmup_steps",
-        warmup_steps,
-        f">= {DDP_FULL_ITERATION_MIN_WARMUP} when full_iteration runs under DDP",
-        f"pass warmup_steps={DDP_FULL_ITERATION_MIN_WARMUP}: NCCL needs that many eager DDP steps before its"
-        " all-reduce can be captured",
-    )
+def check_ddp_warmup(config: CUDAGraphConfig, component: str) -> None:
+    """Under DDP: the whole step runs :data:`DDP_WHOLE_STEP_WARMUP_STEPS` eager steps before its capture."""
+    if config.full_iteration and config.warmup_steps < DDP_WHOLE_STEP_WARMUP_STEPS:
+        raise config_error(
+            component,
+            "warmup_steps",
+            config.warmup_steps,
+            f">= {DDP_WHOLE_STEP_WARMUP_STEPS} when full_iteration runs under DDP",
+            f"pass warmup_steps={DDP_WHOLE_STEP_WARMUP_STEPS}: NCCL needs that many eager DDP steps before its"
+            " all-reduce can be captured",
+        )
+
+
+def eager_steps_before_whole_step(trainer: pl.Trainer) -> int:
+    """Eager steps a whole-step level reached later in the fit runs before its capture.
+
+    One: the first step of the optimizers in the capturable form the whole step switches them to. Under DDP, as
+    many as NCCL still needs.
+    """
+    if isinstance(trainer.strategy, DDPStrategy):
+        return max(1, DDP_WHOLE_STEP_WARMUP_STEPS - trainer.global_step)
+    return 1
 
 
 def _check_seal(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:

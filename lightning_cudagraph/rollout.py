@@ -1,11 +1,13 @@
-"""The staged rollout of one fit: preflight, then a driver for the capture mode, a backend, timing and logging.
+"""The staged rollout of one fit: preflight and the plan of its levels, then the level runner, timing and logging.
 
 The callback and the strategy report Lightning events here; where the fit is lives in the stage machine
-(:mod:`lightning_cudagraph.stages`); capture mechanics in a driver (:mod:`lightning_cudagraph.drivers`) that uses a
-capture backend (:mod:`lightning_cudagraph.graphs.backend`); counters and logging in
-:mod:`lightning_cudagraph.health`. The README's seven stages map onto the code as follows: 1 preflight
-(:meth:`Rollout.setup`, :meth:`Rollout.fit_start`), 2 eager stabilization, 3 fixed shapes, 4 capture, 5 replay
-confirmation and 6 replay (the drivers), 7 release (:meth:`Rollout.release`).
+(:mod:`lightning_cudagraph.stages`); which level runs, and its driver, in the level runner
+(:mod:`lightning_cudagraph.climb`, with the drivers built by :mod:`lightning_cudagraph.factory`); capture
+mechanics in a driver (:mod:`lightning_cudagraph.drivers`) that uses a capture backend
+(:mod:`lightning_cudagraph.graphs.backend`); the report in :mod:`lightning_cudagraph.health`. The README's seven
+stages map onto the code as follows: 1 preflight (:meth:`Rollout.setup`, :meth:`Rollout.fit_start`), 2 eager
+stabilization, 3 fixed shapes, 4 capture, 5 replay confirmation and 6 replay (the drivers), 7 release
+(:meth:`Rollout.release`). A fixed scope is a one-level ladder: every fit runs through the same runner.
 """
 
 from __future__ import annotations
@@ -14,29 +16,22 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_cudagraph import preflight
+from lightning_cudagraph import planning, preflight
 from lightning_cudagraph.agreement import RankAgreement
-from lightning_cudagraph.batches import batch_key, opaque_reason
 from lightning_cudagraph.climb import Climb
-from lightning_cudagraph.compiling import CompiledForwards, CompiledModules, CompileWatch, called_modules
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.base import Driver
-from lightning_cudagraph.drivers.regions import RegionSet
-from lightning_cudagraph.drivers.scoped import ScopedDriver
-from lightning_cudagraph.drivers.whole_step import WholeStepDriver as FullStepDriver
+from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph.drivers.base import Driver, LevelSettings
+from lightning_cudagraph.factory import DriverFactory
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
 from lightning_cudagraph.health import CUDAGraphReport, Stage
-from lightning_cudagraph.ladder import Rung, build_rungs, replacement_parts
 from lightning_cudagraph.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
-from lightning_cudagraph.scopes import ScopeResolution, Target, candidate_names, resolve_scopes
 from lightning_cudagraph.stages import StageMachine
-from lightning_cudagraph.timing import StepTimer, median
 
 
 class Rollout:
@@ -53,26 +48,22 @@ class Rollout:
         self.component = component
         self.report = CUDAGraphReport()
         self.machine = StageMachine(self.report, component, config.on_failure, release=self.release)
-        self.resolution = ScopeResolution()
         self.backend = backend
-        self._driver: Driver | None = None
-        #: ``scope="auto"``: the ladder of levels and its walk (``None`` for a fixed scope).
+        #: The level runner of the fit (``None`` until setup planned its levels, or when graphs are off before).
         self.climb: Climb | None = None
-        self._parts: dict[str, tuple[Target, ...]] = {}
-        self._timer = StepTimer(use_cuda=False)
-        self._eager_times: list[float] = []
-        self._eager_noted = False
+        self._factory: DriverFactory | None = None
         self._last_logged = -1
         self._sealed = False
-        #: ``compile=``: the watch on dynamo's compilations, and what the package compiled (released with the fit).
-        self.compile_watch: CompileWatch | None = None
-        self._compiled_modules: CompiledModules | None = None
-        self._compiled_forwards: CompiledForwards | None = None
 
     @property
     def stage(self) -> Stage:
         """The current stage."""
         return self.machine.stage
+
+    @property
+    def driver(self) -> Driver | None:
+        """The driver of the level training is on (``None`` until one is built)."""
+        return self.climb.driver if self.climb is not None else None
 
     @property
     def active(self) -> bool:
@@ -81,60 +72,30 @@ class Rollout:
 
     # ------------------------------------------------------------------ stage 1: preflight
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Validate against the Trainer and resolve scopes to modules (no CUDA work)."""
+        """Validate against the Trainer and plan every level of the fit (no CUDA work)."""
         if not self.config.enabled:
             self.machine.disable("impl_none", warn=False)
             return
         with self._refusals_disable():
             preflight.check_trainer(self.config, trainer, module, self.component)
-            if self.config.auto_scope:
-                preflight.check_auto_overrides(self.config, module, self.component)
-                rungs = build_rungs(module, self.config.modules, preflight.full_step_problem(self.config, trainer))
-                self.climb = Climb(self._checked_rungs(rungs), self.report, self.component)
-                self.report.scopes = {row.level: [] for row in self.report.ladder if row.status != "skipped"}
-            elif not self.config.full_iteration:
-                self.resolution = resolve_scopes(module, self.config.scope, self.config.modules, self.component)
-                preflight.check_targets(self.resolution.targets, self.component)
-        if self.config.full_iteration:
-            self.report.scopes = {"full_iteration": ["<training step>"]}
-        elif self.climb is not None:
-            if self.climb.ladder.current is None:
-                self.machine.disable(
-                    "no_targets",
-                    detail="scope='auto' found no attention, MLP or layer modules and cannot capture the whole step"
-                    f" ({self.climb.ladder.describe()}); modules include {candidate_names(module)}. Pass"
-                    " scope=[...] with modules={...} to choose some",
-                )
-                return
-            self.report.scopes = {rung.name: [t.name for t in rung.targets] for rung in self.climb.rungs}
-            rank_zero_info(f"{self.component}: scope='auto' will try {self.climb.ladder.describe()}")
-        else:
-            self.report.scopes = self.resolution.matched
-            rank_zero_info(f"{self.component}: {self.resolution.summary()}")
-        if self.climb is not None and self.config.impl == "local":  # the layer level narrows to parts (TE: no)
-            self._parts = replacement_parts(module, self.climb.scoped_targets, self.config.modules)
+            plan = planning.plan(self.config, trainer, module, self.component)
+        self.climb = Climb(plan, self.report, self.component, LevelSettings.of(self.config))
+        self.report.scopes = dict(plan.scopes)
+        if self.climb.ladder.current is None:
+            self.machine.disable("no_targets", detail=plan.summary)
+            return
+        rank_zero_info(f"{self.component}: {plan.summary}")
         self.backend = self.backend or default_backend(trainer.strategy.root_device)
 
-    def _checked_rungs(self, rungs: list[Rung]) -> list[Rung]:
-        """Rungs whose regions a capture cannot hold (activation checkpointing) are skipped, with the reason."""
-        checked = []
-        for rung in rungs:
-            try:
-                preflight.check_targets(rung.targets, self.component)
-            except ValueError as error:
-                rung = Rung(rung.name, unavailable=str(error))
-            checked.append(rung)
-        return checked
-
     def fit_start(self, trainer: pl.Trainer) -> None:
-        """Check the optimizers, then pick the driver, or turn graphs off when there is no device to capture on."""
-        if not self.machine.graphs_allowed:
+        """Check the optimizers, then start the level runner, or turn graphs off with no device to capture on."""
+        if not self.machine.graphs_allowed or self.climb is None:
             return
         with self._refusals_disable():
-            preflight.check_optimizers(self.config, trainer, self.component)
-            preflight.check_full_iteration_hooks(self.config, trainer.lightning_module, self.component)
-        if self.climb is not None:
-            self.climb.check_full_step(preflight.full_step_optimizer_problem(self.config, trainer))
+            problem = preflight.whole_step_optimizer_problem(self.config, trainer, self.component)
+            preflight.check_whole_step_hooks(self.config, trainer.lightning_module, self.component)
+        if problem is not None:
+            self.climb.ladder.skip(FULL_ITERATION, problem)
         if self.backend is None:
             self.machine.disable(
                 "no_cuda",
@@ -142,86 +103,33 @@ class Rollout:
                 " training runs eagerly, exactly as without the package",
             )
             return
-        self._timer = self.backend.timer()
         self.machine.agreement = RankAgreement(trainer.strategy.root_device)
-        if self.config.compile is not None:
-            self._start_compiling()
-        if self.climb is not None:
-            self.climb.attach(trainer, self.backend, self.machine, functools.partial(self.driver_for, trainer))
-        else:
-            targets = [t.name for t in self.resolution.targets]
-            self._driver = self.driver_for(trainer, self.config.full_iteration, targets)
-
-    def driver_for(self, trainer: pl.Trainer, full_step: bool, active: list[str]) -> Driver:
-        """A driver for the whole step, or for scoped regions with ``active`` targets captured."""
-        collaborators = (self.config, self.component, self.backend, self.machine)
-        if full_step:
-            driver: Driver = FullStepDriver(*collaborators)
-        else:
-            patched = self.climb.scoped_targets if self.climb is not None else self.resolution.targets
-            patched = _with_parts(patched, self._parts)
-            regions = RegionSet(patched, active, self._parts, self.report, self.component)
-            if self.config.impl == "transformer_engine":
-                from lightning_cudagraph.drivers.te_scoped import TEScopedDriver
-
-                driver = TEScopedDriver(trainer, regions, *collaborators)
-            else:
-                driver = ScopedDriver(regions, *collaborators, compiled=self._compiled_forwards)
-        driver.before_first_capture = self._note_eager_time
-        return driver
-
-    @property
-    def driver(self) -> Driver | None:
-        """The driver of the capture mode in use (under ``scope="auto"``, the current level's)."""
-        return self.climb.driver if self.climb is not None else self._driver
+        self._factory = DriverFactory(self.config, self.component, self.backend, self.machine, trainer, self.climb.plan)
+        self.climb.attach(trainer, self.backend, self.machine, self._factory)
 
     def train_start(self, trainer: pl.Trainer) -> None:
         """Move training onto the backend's stream and start eager stabilization."""
-        if not self.active:
+        driver = self.driver
+        if driver is None or self.backend is None or not self.machine.graphs_allowed:
             return
         self.backend.enter()
-        self.driver.start(trainer)
-        if self._compiled_modules is not None and isinstance(self.driver, FullStepDriver):
-            self._compiled_modules.compile(called_modules(trainer.lightning_module))
-
-    def _start_compiling(self) -> None:
-        """``compile=``: watch dynamo from now on; compile the whole step's modules, or each target's forward."""
-        self.compile_watch = CompileWatch(self.report, self.component)
-        self.compile_watch.install()
-        if self.config.full_iteration:
-            self._compiled_modules = CompiledModules(self.config.compile)
-        else:
-            self._compiled_forwards = CompiledForwards(self.config.compile)
+        driver.start(trainer)
 
     # ------------------------------------------------------------------ training batches
     def batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Scoped graphs: decide what this batch does with the targets. Then start its timer."""
+        """Seal the shapes when due, then hand the batch to the level runner (its driver, its timer)."""
         if self.active:
             self._seal_when_due(trainer.global_step)
-        if self._compiled_modules is not None:
-            self._compiled_modules.active = self.active  # compiled for training steps only (not evaluation)
-        if self.active and isinstance(self.driver, ScopedDriver):
-            key = batch_key(batch)
-            opaque = opaque_reason(batch) if key is None else ""
-            self.driver.begin_step(trainer.global_step, key, trainer.accumulate_grad_batches > 1, opaque)
-        self._timer.start()
         if self.climb is not None:
-            self.climb.step_started()
+            self.climb.batch_started(trainer, batch)
 
     def batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any) -> None:
         """Close the step: confirmation checks, stage changes, metrics; then the ladder's move, if one is due."""
-        self._timer.stop()
-        if self._compiled_modules is not None:
-            self._compiled_modules.active = False
-        if self.driver is not None:
-            self.driver.end_step(outputs)
-            if self.machine.stage == Stage.WARMUP:
-                self.machine.warmup_losses.observe(outputs)
-        if self.climb is not None:
-            self.climb.step_ended()
+        if self.climb is None:
+            return
+        self.climb.batch_ended(outputs)
         self._maybe_log(trainer, module)
-        if self.climb is not None:
-            self.climb.move_if_due()
+        self.climb.move_if_due()
 
     def abandon_step(self) -> None:
         """Close a training batch that never reached ``on_train_batch_end`` (``on_train_batch_start`` returned -1)."""
@@ -229,37 +137,37 @@ class Rollout:
             self.driver.abandon_step()
 
     # ------------------------------------------------------------------ whole steps (called by the strategy)
-    def plan_full_step(self, trainer: pl.Trainer, batch: Any) -> Any:
-        """Before a training step: plan it (eager, capture or replay) and return the batch it should use."""
-        if not (self.active and isinstance(self.driver, FullStepDriver)):
+    def plan_whole_step(self, trainer: pl.Trainer, batch: Any) -> Any:
+        """Before a training step: the driver plans it (eager, capture or replay) and returns the batch to use."""
+        if self.driver is None:
             return batch
-        if not trainer.training or trainer.sanity_checking:
-            return batch
-        self._seal_when_due(trainer.global_step)
+        if self.active and trainer.training and not trainer.sanity_checking:
+            self._seal_when_due(trainer.global_step)
         return self.driver.plan(trainer, batch)
 
-    def run_full_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
-        """Carry out the planned step."""
-        if not isinstance(self.driver, FullStepDriver):
+    def run_whole_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
+        """Carry out the planned step (eagerly, by ``run_step``, below the whole step)."""
+        if self.driver is None:
             return run_step()
         return self.driver.run(trainer, closure, optimizer, run_step)
 
     def on_training_step_output(self, output: Any) -> None:
         """``training_step`` returned (while capturing, this is the captured output)."""
-        if isinstance(self.driver, FullStepDriver):
+        if self.driver is not None:
             self.driver.on_training_step_output(output)
 
     @property
-    def capturing_full_step(self) -> bool:
+    def capturing_whole_step(self) -> bool:
         """Whether the strategy's hooks are running inside a whole-step capture."""
-        return isinstance(self.driver, FullStepDriver) and self.driver.capturing
+        return self.driver is not None and self.driver.capturing
 
     # ------------------------------------------------------------------ shapes
     def seal(self, self_check: bool = True) -> None:
         """Close the set of batch shapes: a shape without graphs raises from now on (``seal_after_steps``)."""
-        if self.active and not self._sealed:
+        driver = self.driver
+        if driver is not None and self.machine.graphs_allowed and not self._sealed:
             self._sealed = True
-            self.driver.seal(self_check)
+            driver.seal(self_check)
             check = "; each captured shape is checked against eager once more" if self_check else ""
             rank_zero_info(f"{self.component}: the set of batch shapes is sealed: another shape raises{check}")
 
@@ -284,7 +192,7 @@ class Rollout:
                 f"the fit ended during replay confirmation{level} after {steps} optimizer step(s); the graphs were"
                 f" never trusted (confirm_steps={self.config.confirm_steps}: raise max_steps)"
             )
-        eager = self.driver.first_eager_steps if self.driver is not None else self.config.warmup_steps
+        eager = self.driver.settings.first_eager_steps if self.driver is not None else self.config.warmup_steps
         if steps <= eager:
             return (
                 f"the fit ended after {steps} optimizer step(s), within the {eager} eager warmup step(s) before"
@@ -297,45 +205,24 @@ class Rollout:
         try:
             if self.climb is not None:
                 self.climb.release()
-            if self.driver is not None:
-                self.driver.release()
         finally:  # whatever a reset raised, training goes back to the stream it came from
             try:
-                self._stop_compiling()
+                if self._factory is not None:
+                    self._factory.release()
             finally:
                 if self.backend is not None:
                     self.backend.release()
-
-    def _stop_compiling(self) -> None:
-        """Give the compiled modules their own call back, drop compiled functions, stop watching dynamo."""
-        if self._compiled_modules is not None:
-            self._compiled_modules.restore()
-        if self._compiled_forwards is not None:
-            self._compiled_forwards.clear()
-        if self.compile_watch is not None:
-            self.compile_watch.remove()
 
     def save_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         """Keep checkpoints free of the package: optimizers are saved in the form the user built them."""
         if self.driver is not None:
             self.driver.save_checkpoint(trainer.optimizers, checkpoint)
 
-    # ------------------------------------------------------------------ timing and logging
-    def _note_eager_time(self) -> None:
-        """Right before the first capture: the eager step times so far (one host sync, at capture)."""
-        if self.compile_watch is not None:
-            self.compile_watch.captured = True  # a compilation from now on is a recompile
-        if self._eager_noted:
-            return
-        self._eager_noted = True
-        self._eager_times.extend(self._timer.read())
-        times = self._eager_times[1:] if len(self._eager_times) > 1 else self._eager_times
-        (self.report.eager_step_ms,) = self.machine.agreement.slowest(median(times))
-
+    # ------------------------------------------------------------------ logging
     def _maybe_log(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Once per ``log_every_n_steps`` (and when the Trainer stops): health checks, step times, metrics, the bar."""
         step = trainer.global_step
-        if step == self._last_logged or (step % max(trainer.log_every_n_steps, 1) and not trainer.should_stop):
+        if step == self._last_logged or (step % max(_log_every(trainer), 1) and not trainer.should_stop):
             return
         self._last_logged = step
         if self.driver is not None:
@@ -364,11 +251,8 @@ class Rollout:
 
     def _interval_metrics(self) -> dict[str, float]:
         """Read the interval's step times (one host sync on CUDA, none per step) and return the report's metrics."""
-        times = self._timer.read()
-        if self.stage == Stage.WARMUP and not self._eager_noted:
-            self._eager_times.extend(times)
-        elif times:
-            self.report.step_ms = median(times)
+        if self.climb is not None:
+            self.climb.read_step_times()
         return self.report.metrics()
 
     def _logs_metrics(self, trainer: pl.Trainer) -> bool:
@@ -378,7 +262,7 @@ class Rollout:
         made): every figure would be a zero that means nothing, so a fit without graphs logs what it would log
         without the package (``callback.report`` and the warning say why). Not with ``log_every_n_steps=0`` either.
         """
-        return self.driver is not None and trainer.log_every_n_steps > 0
+        return self.driver is not None and _log_every(trainer) > 0
 
     @functools.cached_property
     def _bar(self) -> ProgressBarItems:
@@ -388,7 +272,7 @@ class Rollout:
     def _bar_items(self) -> dict[str, str]:
         """``graphs=replaying``: the stage by name, the level under ``scope="auto"``, the speedup once measured."""
         shown = self.stage.label
-        if self.climb is not None and self.report.level:
+        if self.report.level:
             shown += f" {self.report.level}"
         if not math.isnan(self.report.speedup):
             shown += f" {self.report.speedup:.2f}x"
@@ -404,11 +288,6 @@ class Rollout:
             raise
 
 
-def _with_parts(targets: list[Target], parts: dict[str, tuple[Target, ...]]) -> list[Target]:
-    """The targets and the parts that may replace them, each once, parents before their parts."""
-    patched: dict[str, Target] = {}
-    for target in targets:
-        patched.setdefault(target.name, target)
-        for part in parts.get(target.name, ()):
-            patched.setdefault(part.name, part)
-    return list(patched.values())
+def _log_every(trainer: pl.Trainer) -> int:
+    """``Trainer(log_every_n_steps=...)``: Lightning sets it on the Trainer at init, out of its type's sight."""
+    return int(cast(Any, trainer).log_every_n_steps)

@@ -47,7 +47,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: 
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy  # noqa: E402
-from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP  # noqa: E402
+from lightning_cudagraph.preflight import DDP_WHOLE_STEP_WARMUP_STEPS  # noqa: E402
 from tests.dist_worker import COLLECTIVE_TIMEOUT, fingerprint, report_fields  # noqa: E402
 from tests.helpers import (  # noqa: E402
     RaiseAtStep,
@@ -66,7 +66,7 @@ PARITY_STEPS = 20
 #: Eager steps before the first capture of a scoped case.
 WARMUP = 3
 #: The whole step under DDP: NCCL's eager steps first (``ddp_cudagraph_full`` sets this).
-FULL_WARMUP = DDP_FULL_ITERATION_MIN_WARMUP
+FULL_WARMUP = DDP_WHOLE_STEP_WARMUP_STEPS
 #: lr 3e-4: at 1e-3 the SMALL decoder spikes around step 9, which amplifies last-bit differences of nondeterministic
 #: kernels beyond the parity tolerance (see tests/test_gpu_full.py).
 LR = 3e-4

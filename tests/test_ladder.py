@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.ladder import EAGER, MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder, Rung, build_rungs
+from lightning_cudagraph.ladder import EAGER, MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder
+from lightning_cudagraph.levels import Level, build_levels
 from tests.fake_backend import FakeBackend
 from tests.helpers import LEVEL_MS, assert_losses_close, fit, graph_callback, patched_forwards, timed_by_level, trainer
 from tests.models import TINY, MoEDecoderModule, decoder
@@ -52,36 +53,36 @@ def ladder(report) -> list[tuple[str, str]]:
     return [(row.level, row.status) for row in report.ladder]
 
 
-# ---------------------------------------------------------------------------------------------- the rungs per model
-def test_rungs_of_a_dense_decoder_widen_from_attention_to_layers():
+# ---------------------------------------------------------------------------------------------- the levels per model
+def test_levels_of_a_dense_decoder_widen_from_attention_to_layers():
     model, _ = decoder(TINY)
-    rungs = build_rungs(model, {}, full_step_problem=None)
-    assert [rung.name for rung in rungs] == ["attn", "attn+mlp", "layer", "full_iteration"]
-    assert [t.name for t in rungs[1].targets] == [
+    levels = build_levels(model, {}, whole_step_problem=None)
+    assert [level.name for level in levels] == ["attn", "attn+mlp", "layer", "full_iteration"]
+    assert [t.name for t in levels[1].targets] == [
         f"model.blocks.{i}.{part}" for i in range(TINY["n_layer"]) for part in ("attn", "mlp")
     ]
-    assert all(rung.unavailable is None for rung in rungs)
+    assert all(level.unavailable is None for level in levels)
 
 
-def test_rungs_of_an_moe_decoder_take_the_router_with_the_dense_parts():
+def test_levels_of_an_moe_decoder_take_the_router_with_the_dense_parts():
     model, _ = decoder(TINY, MoEDecoderModule)
-    rungs = {rung.name: rung for rung in build_rungs(model, {}, full_step_problem="needs the strategy")}
-    assert [t.name for t in rungs["attn+mlp"].targets] == [
+    levels = {level.name: level for level in build_levels(model, {}, whole_step_problem="needs the strategy")}
+    assert [t.name for t in levels["attn+mlp"].targets] == [
         f"model.blocks.{i}.{part}" for i in range(TINY["n_layer"]) for part in ("attn", "moe.router")
     ]
-    assert rungs["full_iteration"].unavailable == "needs the strategy"
+    assert levels["full_iteration"].unavailable == "needs the strategy"
 
 
-def test_a_rung_that_finds_the_same_modules_as_the_one_before_is_skipped():
+def test_a_level_that_finds_the_same_modules_as_the_one_before_is_skipped():
     model, _ = decoder(TINY)
-    rungs = build_rungs(model, {"mlp": ("nowhere.*",)}, full_step_problem=None)
-    assert rungs[1].unavailable == "the same modules as 'attn'"
+    levels = build_levels(model, {"mlp": ("nowhere.*",)}, whole_step_problem=None)
+    assert levels[1].unavailable == "the same modules as 'attn'"
 
 
-def test_custom_scopes_join_every_scoped_rung():
+def test_custom_scopes_join_every_scoped_level():
     model, _ = decoder(TINY)
-    rungs = build_rungs(model, {"head": ("model.head",)}, full_step_problem=None)
-    assert all("model.head" in [t.name for t in rung.targets] for rung in rungs[:3])
+    levels = build_levels(model, {"head": ("model.head",)}, whole_step_problem=None)
+    assert all("model.head" in [t.name for t in level.targets] for level in levels[:3])
 
 
 # ---------------------------------------------------------------------------------------------- the climb
@@ -292,19 +293,21 @@ def test_a_fixed_scope_under_on_failure_raise_raises_on_the_first_region_that_fa
 
 
 # ---------------------------------------------------------------------------------------------- the walk, unit
-def _four_rungs() -> tuple[Ladder, CUDAGraphReport]:
+def _four_levels() -> tuple[Ladder, CUDAGraphReport]:
     report = CUDAGraphReport()
     names = ("attn", "attn+mlp", "layer", "full_iteration")
-    return Ladder([Rung(name) for name in names], report), report
+    ladder = Ladder([Level(name) for name in names], report)
+    ladder.eager_ms = 10.0
+    return ladder, report
 
 
 def test_the_walk_tries_the_narrowest_then_widens_fully_then_narrows_step_by_step():
-    ladder, report = _four_rungs()
-    assert [rung.name for rung in ladder.to_try] == ["attn", "full_iteration", "layer", "attn+mlp"]
-    assert ladder.measured(8.0, eager_ms=10.0).name == "full_iteration"
-    assert ladder.measured(7.9, eager_ms=10.0).name == "layer", "within the margin of attn: narrow by one"
+    ladder, report = _four_levels()
+    assert [level.name for level in ladder.to_try] == ["attn", "full_iteration", "layer", "attn+mlp"]
+    assert ladder.measured(8.0).name == "full_iteration"
+    assert ladder.measured(7.9).name == "layer", "within the margin of attn: narrow by one"
     assert ladder.failed("capture_failed: a host sync").name == "attn+mlp", "a failure hands over to the next one"
-    assert ladder.measured(6.0, eager_ms=10.0) is None, "the last rung, kept: stay"
+    assert ladder.measured(6.0) is None, "the last level, kept: stay"
     assert ladder.settled and report.level == "attn+mlp"
     assert [(row.level, row.status) for row in report.ladder] == [
         ("attn", "slower"),
@@ -314,31 +317,32 @@ def test_the_walk_tries_the_narrowest_then_widens_fully_then_narrows_step_by_ste
     ]
 
 
-def test_the_first_rung_failing_ends_the_climb_with_nothing_to_go_back_to():
-    ladder, report = _four_rungs()
+def test_the_first_level_failing_ends_the_climb_with_nothing_to_go_back_to():
+    ladder, report = _four_levels()
     assert ladder.failed("parity") is EAGER
     assert ladder.settled and report.level is None
     assert [row.status for row in report.ladder] == ["failed", "planned", "planned", "planned"]
 
 
-def test_the_last_rung_failing_goes_back_to_the_best_one():
-    ladder, report = _four_rungs()
-    ladder.measured(8.0, eager_ms=10.0)
-    ladder.measured(9.0, eager_ms=10.0)
-    ladder.measured(9.0, eager_ms=10.0)
+def test_the_last_level_failing_goes_back_to_the_best_one():
+    ladder, report = _four_levels()
+    ladder.measured(8.0)
+    ladder.measured(9.0)
+    ladder.measured(9.0)
     assert ladder.failed("memory_budget").name == "attn"
     assert report.level == "attn"
 
 
 def test_a_median_near_the_bar_is_timed_longer_when_its_steps_are_noisy_and_a_clear_one_is_not():
-    ladder = Ladder([Rung("attn"), Rung("layer")], CUDAGraphReport())
-    ladder.measured(10.0, eager_ms=20.0)  # attn is kept: layer must beat 10 ms by the margin
+    ladder = Ladder([Level("attn"), Level("layer")], CUDAGraphReport())
+    ladder.eager_ms = 20.0
+    ladder.measured(10.0)  # attn is kept: layer must beat 10 ms by the margin
     bar = 10.0 * (1 - MARGIN)
-    assert ladder.close_call(bar * 1.01, 20.0), "within the margin of the bar"
-    assert not ladder.close_call(bar * 0.8, 20.0, spread=1.3), "clear of the bar by more than the noise"
+    assert ladder.close_call(bar * 1.01), "within the margin of the bar"
+    assert not ladder.close_call(bar * 0.8, spread=1.3), "clear of the bar by more than the noise"
     noisy = bar * 0.9
-    assert not ladder.close_call(noisy, 20.0, spread=1.05)
-    assert ladder.close_call(noisy, 20.0, spread=1.3), "half the spread of noisy steps reaches the bar"
+    assert not ladder.close_call(noisy, spread=1.05)
+    assert ladder.close_call(noisy, spread=1.3), "half the spread of noisy steps reaches the bar"
 
 
 def test_a_seal_before_the_ladder_settles_carries_to_every_level_and_admits_the_shapes_captured_before():

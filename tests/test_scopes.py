@@ -3,7 +3,7 @@
 import pytest
 import torch.nn as nn
 
-from lightning_cudagraph.ladder import build_rungs
+from lightning_cudagraph.levels import build_levels
 from lightning_cudagraph.scopes import resolve_scopes
 
 
@@ -258,15 +258,16 @@ def test_overrides(overrides, scope, expected):
         ),
     ],
 )
-def test_auto_starts_on_the_narrowest_rung_that_finds_modules(build, first, expected):
-    rungs = [rung for rung in build_rungs(build(), {}, full_step_problem="no strategy") if rung.unavailable is None]
-    assert rungs[0].name == first
-    assert [t.name for t in rungs[0].targets] == expected
+def test_auto_starts_on_the_narrowest_level_that_finds_modules(build, first, expected):
+    found = build_levels(build(), {}, whole_step_problem="no strategy")
+    levels = [level for level in found if level.unavailable is None]
+    assert levels[0].name == first
+    assert [t.name for t in levels[0].targets] == expected
 
 
-def test_auto_on_a_model_with_nothing_to_capture_has_no_scoped_rung():
-    rungs = build_rungs(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), {}, full_step_problem=None)
-    assert [rung.name for rung in rungs if rung.unavailable is None] == ["full_iteration"]
+def test_auto_on_a_model_with_nothing_to_capture_has_no_scoped_level():
+    levels = build_levels(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), {}, whole_step_problem=None)
+    assert [level.name for level in levels if level.unavailable is None] == ["full_iteration"]
 
 
 def test_scope_matching_nothing_lists_candidate_names():

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from lightning_cudagraph.ladder import build_rungs
+from lightning_cudagraph.levels import build_levels
 from lightning_cudagraph.scopes import resolve_scopes
 from tests.cnn_models import LAYOUTS, BasicBlock, classification_loss, mobilenet_v3_small, named, resnet18
 from tests.fake_backend import FakeBackend
@@ -39,17 +39,17 @@ def test_layer_finds_the_blocks_of_each_cnn_layout_and_not_its_stem_head_or_stag
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_auto_ladder_on_a_cnn_reaches_its_blocks(layout):
     model, blocks = LAYOUTS[layout]()
-    rungs = {rung.name: rung for rung in build_rungs(model, {}, full_step_problem="needs the strategy")}
-    assert [target.name for target in rungs["layer"].targets] == blocks
-    assert rungs["layer"].unavailable is None
-    assert rungs["attn"].unavailable == "no attn or mamba modules"
+    levels = {level.name: level for level in build_levels(model, {}, whole_step_problem="needs the strategy")}
+    assert [target.name for target in levels["layer"].targets] == blocks
+    assert levels["layer"].unavailable is None
+    assert levels["attn"].unavailable == "no attn or mamba modules"
 
 
 def test_timm_convnext_climbs_from_its_mlps_to_whole_blocks():
     model, blocks = LAYOUTS["timm-convnext_atto"]()
-    rungs = {rung.name: rung for rung in build_rungs(model, {}, full_step_problem="needs the strategy")}
-    assert [target.name for target in rungs["attn+mlp"].targets] == [f"{block}.mlp" for block in blocks]
-    assert [target.name for target in rungs["layer"].targets] == blocks
+    levels = {level.name: level for level in build_levels(model, {}, whole_step_problem="needs the strategy")}
+    assert [target.name for target in levels["attn+mlp"].targets] == [f"{block}.mlp" for block in blocks]
+    assert [target.name for target in levels["layer"].targets] == blocks
 
 
 def test_a_resnet_with_its_own_block_class_is_found_by_structure():

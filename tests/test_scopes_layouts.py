@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_cudagraph.ladder import RUNG_SCOPES, build_rungs
+from lightning_cudagraph.levels import LEVEL_SCOPES, build_levels
 from lightning_cudagraph.scopes import resolve_scopes
 
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "layer")
@@ -398,17 +398,18 @@ def test_attn_and_moe_interleave_in_model_order_and_fold_into_layers():
 def test_auto_ladder_on_real_layouts(layout):
     model = build(layout)
     found, order = LAYOUTS[layout][1], [name for name, _ in model.named_modules()]
-    rungs = build_rungs(model, {}, full_step_problem=None)
-    assert [rung.name for rung in rungs] == [*RUNG_SCOPES, "full_iteration"]
+    levels = build_levels(model, {}, whole_step_problem=None)
+    assert [level.name for level in levels] == [*LEVEL_SCOPES, "full_iteration"]
     previous = None
-    for rung in rungs[:-1]:
-        expected = sorted({name for scope in RUNG_SCOPES[rung.name] for name in found.get(scope, [])}, key=order.index)
+    for level in levels[:-1]:
+        names = {name for scope in LEVEL_SCOPES[level.name] for name in found.get(scope, [])}
+        expected = sorted(names, key=order.index)
         if not expected:
-            assert rung.unavailable.startswith("no "), rung
+            assert level.unavailable.startswith("no "), level
         elif expected == previous:
-            assert rung.unavailable.startswith("the same modules as"), rung
+            assert level.unavailable.startswith("the same modules as"), level
         else:
-            assert [t.name for t in rung.targets] == expected
+            assert [t.name for t in level.targets] == expected
             previous = expected
 
 

@@ -1,0 +1,90 @@
+"""Activation checkpointing inside a region a capture would hold: found, and refused before any capture.
+
+A checkpointed region recomputes its forward during backward; inside a graph that recompute would be replayed as
+captured, so such a region is refused (a fixed scope) or its level skipped (``scope="auto"``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from lightning_cudagraph.config import config_error
+from lightning_cudagraph.scopes import Target
+
+__all__ = ["check_targets", "forward_calls_checkpoint"]
+
+
+def check_targets(targets: Sequence[Target], component: str) -> None:
+    """Refuse activation checkpointing inside a captured region (its recompute would replay into the graph).
+
+    Found three ways: a checkpoint wrapper module, a ``gradient_checkpointing`` flag (Hugging Face), or a
+    ``forward`` whose code calls ``torch.utils.checkpoint`` (read from its code object, so comments and strings do
+    not count).
+    """
+    for target in targets:
+        for name, module in target.module.named_modules():
+            wrapped = type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module")
+            functional = forward_calls_checkpoint(type(module))
+            if wrapped or functional or getattr(module, "gradient_checkpointing", False) is True:
+                where = f"{target.name}.{name}" if name else target.name
+                how = f" ({type(module).__name__}.forward calls torch.utils.checkpoint)" if functional else ""
+                raise config_error(
+                    component,
+                    "scope",
+                    target.scope,
+                    "regions without activation checkpointing",
+                    f"{where} uses activation checkpointing{how}; turn it off for captured modules, or pick a scope"
+                    " that does not contain it",
+                )
+
+
+_CHECKPOINT_FUNCTIONS = (torch.utils.checkpoint.checkpoint, torch.utils.checkpoint.checkpoint_sequential)
+
+
+#: What :func:`forward_calls_checkpoint` found, by class (a class's code does not change during a fit).
+_FOUND: dict[type, bool] = {}
+
+
+def forward_calls_checkpoint(cls: type[nn.Module]) -> bool:
+    """Whether ``cls.forward`` (or a function nested in it) refers to ``torch.utils.checkpoint``'s functions.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> class Block(nn.Module):
+        ...     def forward(self, x):
+        ...         return checkpoint(lambda y: y * 2, x, use_reentrant=False)
+        >>> forward_calls_checkpoint(Block), forward_calls_checkpoint(nn.Linear)
+        (True, False)
+    """
+    found = _FOUND.get(cls)
+    if found is None:
+        found = _FOUND[cls] = _calls_checkpoint(cls)
+    return found
+
+
+def _calls_checkpoint(cls: type[nn.Module]) -> bool:
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return False
+    forward = inspect.unwrap(forward)
+    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    stack = [code] if code is not None else []
+    while stack:
+        code = stack.pop()
+        stack.extend(const for const in code.co_consts if inspect.iscode(const))
+        names = set(code.co_names)
+        for name in names:
+            value = namespace.get(name)
+            if any(value is fn for fn in _CHECKPOINT_FUNCTIONS):
+                return True
+            if value is torch.utils.checkpoint and names & {"checkpoint", "checkpoint_sequential"}:
+                return True
+            if value is torch and {"utils", "checkpoint"} <= names:
+                return True
+    return False

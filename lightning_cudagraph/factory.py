@@ -1,0 +1,90 @@
+"""The driver factory of a fit: a driver for each level the ladder reaches, with its settings and compiled stand-in.
+
+The level runner gets the factory when it is built and never asks which driver it holds. The factory also owns
+``compile=`` for the fit: the watch on dynamo's compilations, and the compiled stand-ins it hands each driver
+(:class:`~lightning_cudagraph.compiling.CompiledForwards` to a scoped driver, shared by every scoped level;
+:class:`~lightning_cudagraph.compiling.CompiledModules` to the whole-step driver, which gives its modules back when
+it is released). Drivers never import this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+
+from lightning_cudagraph.compiling import CompiledForwards, CompiledModules, CompileWatch
+from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.drivers.base import Driver, LevelSettings
+from lightning_cudagraph.drivers.regions import RegionSet
+from lightning_cudagraph.drivers.scoped import ScopedDriver
+from lightning_cudagraph.drivers.whole_step import WholeStepDriver
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.levels import Level, Plan
+from lightning_cudagraph.stages import StageMachine
+
+__all__ = ["DriverFactory"]
+
+
+class DriverFactory:
+    """Builds the driver of a level, for one fit.
+
+    Args:
+        config: The validated options.
+        component: Named in messages.
+        backend: The capture backend of the fit.
+        machine: The stage machine of the fit.
+        trainer: The Trainer (Transformer Engine's driver reads its precision plugin).
+        plan: What every scoped driver patches (the targets of all levels, and the parts that may replace a layer).
+    """
+
+    def __init__(
+        self,
+        config: CUDAGraphConfig,
+        component: str,
+        backend: CaptureBackend,
+        machine: StageMachine,
+        trainer: pl.Trainer,
+        plan: Plan,
+    ) -> None:
+        self.config, self.component, self.backend, self.machine = config, component, backend, machine
+        self._trainer, self._plan = trainer, plan
+        #: ``compile=``: the watch on dynamo from now on (``None`` without ``compile=``).
+        self.compile_watch: CompileWatch | None = None
+        self._forwards: CompiledForwards | None = None
+        if config.compile is not None:
+            self.compile_watch = CompileWatch(machine.report, component)
+            self.compile_watch.install()
+            self._forwards = CompiledForwards(config.compile)
+
+    def __call__(self, level: Level, settings: LevelSettings, before_first_capture: Callable[[], None]) -> Driver:
+        """A driver for ``level`` with ``settings``; ``before_first_capture`` runs right before its first capture."""
+        collaborators = (self.config, self.component, self.backend, self.machine, settings)
+        driver: Driver
+        if level.whole_step:
+            compiled = CompiledModules(self.config.compile) if self.config.compile is not None else None
+            driver = WholeStepDriver(*collaborators, compiled=compiled)
+        else:
+            report = self.machine.report
+            regions = RegionSet(self._plan.patched, level.target_names, self._plan.parts, report, self.component)
+            if self.config.impl == "transformer_engine":
+                from lightning_cudagraph.drivers.te_scoped import TEScopedDriver
+
+                driver = TEScopedDriver(self._trainer, regions, *collaborators)
+            else:
+                driver = ScopedDriver(regions, *collaborators, compiled=self._forwards)
+
+        def first_capture() -> None:
+            if self.compile_watch is not None:
+                self.compile_watch.captured = True  # a compilation from now on is a recompile
+            before_first_capture()
+
+        driver.before_first_capture = first_capture
+        return driver
+
+    def release(self) -> None:
+        """The fit ends: drop the compiled forwards, stop watching dynamo (idempotent)."""
+        if self._forwards is not None:
+            self._forwards.clear()
+        if self.compile_watch is not None:
+            self.compile_watch.remove()

@@ -1,0 +1,104 @@
+"""The levels of a fit, planned once in preflight: a fixed scope's one level, or the ladder of ``scope="auto"``.
+
+:func:`plan` is the one call for every scope. It finds what each level captures, skips the levels a capture
+cannot hold (activation checkpointing, a whole step the Trainer rules out) with the reason, and names every target
+a scoped driver patches for the fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import lightning.pytorch as pl
+
+from lightning_cudagraph.activation_checkpoints import check_targets
+from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph.levels import Level, Plan, build_levels, replacement_parts, scoped_targets, walk_order
+from lightning_cudagraph.preflight import DDP_WHOLE_STEP_WARMUP_STEPS, check_trainer, check_whole_step_hooks
+from lightning_cudagraph.scopes import Target, candidate_names, resolve_scopes
+
+__all__ = ["plan"]
+
+
+def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> Plan:
+    """Plan every level of the fit: a fixed scope's one level, or the ladder of ``scope="auto"``.
+
+    Raises:
+        ValueError: A scope or override matches nothing, or a fixed scope's region uses activation checkpointing.
+    """
+    if config.auto_scope:
+        return _auto_plan(config, trainer, module)
+    if config.full_iteration:
+        return Plan(
+            (Level(FULL_ITERATION),),
+            climbs=False,
+            scopes={FULL_ITERATION: ["<training step>"]},
+            summary="the whole step is captured as one graph",
+        )
+    resolution = resolve_scopes(module, config.scope, config.modules, component)
+    check_targets(resolution.targets, component)
+    level = Level("+".join(config.scope), tuple(resolution.targets))
+    return Plan((level,), climbs=False, patched=level.targets, scopes=resolution.matched, summary=resolution.summary())
+
+
+def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
+    """``scope="auto"``: every level the model has, those a capture cannot hold skipped with the reason."""
+    for name in config.modules:  # every override must find modules (custom scopes join every level)
+        resolve_scopes(module, [name], config.modules, "scope='auto'")
+    levels = []
+    for level in build_levels(module, config.modules, _whole_step_problem(config, trainer)):
+        try:
+            check_targets(level.targets, "scope='auto'")
+        except ValueError as error:  # activation checkpointing: this level is skipped, not the fit refused
+            level = Level(level.name, unavailable=str(error))
+        levels.append(level)
+    targets = scoped_targets(levels)
+    parts = replacement_parts(module, targets, config.modules) if config.impl == "local" else {}  # TE: no parts
+    walk = walk_order(levels)
+    found = "; ".join(
+        f"{level.name}: {(level.unavailable and f'skipped ({level.unavailable})') or 'planned'}" for level in levels
+    )
+    summary = (
+        f"scope='auto' will try {found}"
+        if walk
+        else f"scope='auto' found no attention, MLP or layer modules and cannot capture the whole step ({found});"
+        f" modules include {candidate_names(module)}. Pass scope=[...] with modules={{...}} to choose some"
+    )
+    return Plan(
+        tuple(levels),
+        climbs=True,
+        patched=tuple(_with_parts(targets, parts)),
+        parts=parts,
+        scopes={level.name: level.target_names for level in walk},
+        summary=summary,
+    )
+
+
+def _with_parts(targets: list[Target], parts: dict[str, tuple[Target, ...]]) -> list[Target]:
+    """The targets and the parts that may replace them, each once, parents before their parts."""
+    patched: dict[str, Target] = {}
+    for target in targets:
+        patched.setdefault(target.name, target)
+        for part in parts.get(target.name, ()):
+            patched.setdefault(part.name, part)
+    return list(patched.values())
+
+
+def _whole_step_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
+    """Under ``scope="auto"``: why the whole step cannot be one of the levels of this fit, or ``None``.
+
+    The rules of ``scope=["full_iteration"]`` apply, except the eager steps DDP needs: by the time the ladder
+    reaches the whole step, they have run.
+    """
+    if not getattr(trainer.strategy, "supports_full_iteration", False):
+        return "only the package's strategies capture the whole step: Trainer(strategy='cudagraph')"
+    whole = dataclasses.replace(config, scope=(FULL_ITERATION,), warmup_steps=DDP_WHOLE_STEP_WARMUP_STEPS)
+    module = trainer.lightning_module
+    try:
+        check_trainer(whole, trainer, module, "scope='auto'")
+        check_whole_step_hooks(whole, module, "scope='auto'")
+    except ValueError as error:
+        return str(error)
+    if config.impl != "local":
+        return f"impl={config.impl!r} captures scoped regions only"
+    return None
