@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
@@ -93,14 +94,15 @@ class StepLogs:
         def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             self.calls.append((name, value, args, kwargs))
 
-        module.log = record
+        # On the instance, so the class's ``log`` is back untouched afterwards.
+        module.__dict__["log"] = record
         try:
             yield
         finally:
             if had_attribute:
-                module.log = previous
+                module.__dict__["log"] = previous
             else:
-                del module.log
+                del module.__dict__["log"]
 
     def reissue(self, module: pl.LightningModule) -> None:
         """Re-issue the recorded calls, attributed to ``training_step`` so they join the same metrics."""
@@ -108,6 +110,8 @@ class StepLogs:
             return
         trainer = module.trainer
         results = trainer._results
+        if results is None:  # no fit loop is running: there is no metric to feed
+            return
         if len(self._feeds) != len(self.calls):
             self._feeds = [None] * len(self.calls)
         direct = type(module).log is pl.LightningModule.log and not trainer._logger_connector.should_reset_tensors(
@@ -118,8 +122,9 @@ class StepLogs:
         try:
             for index, (name, value, args, kwargs) in enumerate(self.calls):
                 feed = self._feeds[index]
-                if direct and feed is not None and feed.name == name and results.get(feed.key) is feed.metric:
-                    batch_size = results._extract_batch_size(feed.metric, feed.batch_size, feed.metric.meta)
+                metric = results.get(feed.key) if feed is not None else None
+                if direct and feed is not None and feed.name == name and metric is not None and metric is feed.metric:
+                    batch_size = results._extract_batch_size(metric, feed.batch_size, metric.meta)
                     results.update_metrics(feed.key, value.detach(), batch_size)
                 else:
                     module.log(name, value, *args, **kwargs)
@@ -163,3 +168,8 @@ def single_device_root(strategy: SingleDeviceStrategy) -> torch.device:
 def anomaly_detection_on(trainer: pl.Trainer) -> bool:
     """Whether ``Trainer(detect_anomaly=True)`` was passed."""
     return bool(getattr(trainer, "_detect_anomaly", False))
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's callbacks, a list that may be added to (the callback connector sets it in ``Trainer.__init__``)."""
+    return trainer.callbacks  # type: ignore[attr-defined]

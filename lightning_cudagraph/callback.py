@@ -6,28 +6,23 @@ Thin Lightning hooks that hand each event to the staged rollout (:mod:`lightning
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_cudagraph.config import (
-    CUDAGraphConfig,
-    Verbatim,
-    config_error,
-    documents_graph_options,
-    takes_graph_options,
-)
+from lightning_cudagraph._lightning import trainer_callbacks
+from lightning_cudagraph.backend_setting import checked_capture_backend
 from lightning_cudagraph.environment import ensure_graph_safe_allocator
+from lightning_cudagraph.errors import Verbatim, config_error
 from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.graphs.cuda import CUDABackend
 from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.keywords import checks_keywords, config_from
 from lightning_cudagraph.rollout import Rollout
 
 
-@documents_graph_options
 class CUDAGraphCallback(Callback):
     r"""Train with CUDA graphs, rolled out in stages so a graph is trusted only once it is shown to be right.
 
@@ -53,8 +48,49 @@ class CUDAGraphCallback(Callback):
     One per Trainer: a second ``CUDAGraphCallback`` is refused (the strategies add one only when there is none).
 
     Args:
-        **options: Every option of the package, described once in
-            :data:`~lightning_cudagraph.config.OPTION_DOCS` (written here at import).
+        impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
+            ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
+        scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer`` and, with one of the package's strategies,
+            the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from ``full_iteration, attn,
+            mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a comma-separated string
+            works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs
+            :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
+        warmup_steps: Eager optimizer steps before capture (at least one step always runs eagerly; at least 11 for
+            ``full_iteration`` under DDP).
+        modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on qualified
+            module names (``"blocks.*.attn"``), an ``nn.Module`` subclass, or a predicate ``(name, module) -> bool``; or
+            a list of these. With a fixed ``scope``, every key must be one of its names; under ``scope="auto"`` a new
+            key joins every level, and a key that looks like a misspelt built-in scope is refused.
+        on_shape_change: What a batch of another shape does once graphs exist: ``"eager"`` (that step runs eagerly,
+            counted), ``"recapture"`` (the shape gets its own eager step, capture and confirmation; the ``max_graphs``
+            least recently used graph sets are kept, others evicted and captured again when their shape returns) or
+            ``"error"``. Pad batches to a few lengths (:mod:`lightning_cudagraph.bucketing`).
+        on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
+        max_graphs: Most graph sets (batch shapes) held with ``on_shape_change="recapture"`` (at least 2; 4 when not
+            given). Only with ``"recapture"``: the other policies keep one graph set.
+        confirm_steps: Steps after capture that are checked before the graphs are trusted (1 to 100).
+        parity_tol: Largest relative difference allowed between graphed and eager forwards, at most 0.25 (above that the
+            check could not tell a wrong graph from a right one); by default 1e-4 in float32, 2e-2 under autocast and
+            0.125 under FP8.
+        max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
+        seal_after_steps: From this optimizer step on (at most ``Trainer(max_steps=...)``), the set of batch shapes is
+            closed: a shape without graphs raises, naming it and the captured shapes (``None``: never;
+            :meth:`~lightning_cudagraph.CUDAGraphCallback.seal` closes it by hand). A seal taken before the first
+            capture (during the eager warmup steps) closes the set to the shape that warmup captures: that shape is
+            still captured when warmup ends, and any other shape raises.
+        audit_every_n_steps: The numerics guard: every this many replayed steps, the graphs are checked against eager on
+            a real batch. The whole step runs a shadow step (the graph replays, the state is put back, the step runs
+            eagerly and is kept; loss and parameter update must agree); scoped graphs check one region's forward against
+            eager (round-robin). A failure rolls back (or raises with ``on_failure="raise"``); a region that fails is
+            left eager. Every captured whole step is also shadow-checked on its capture step. ``None`` or 0:
+            confirmation only. Each audit costs about one eager step.
+        compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
+            captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
+            arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
+            ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed ``scope``
+            (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
+            ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
+            :mod:`lightning_cudagraph.compiling`.
 
     Raises:
         ValueError: On an option or combination that cannot work, naming the value, what is allowed and the fix.
@@ -69,9 +105,27 @@ class CUDAGraphCallback(Callback):
         <Stage.WARMUP: 0>
     """
 
-    @takes_graph_options
-    def __init__(self, config: CUDAGraphConfig) -> None:
-        self.config = config
+    @checks_keywords
+    def __init__(
+        self,
+        *,
+        # options: written by scripts/option_signatures.py
+        impl: Literal["none", "local", "transformer_engine"] = "local",
+        scope: str | Sequence[str] = "auto",
+        warmup_steps: int = 3,
+        modules: Mapping[str, Any] | None = None,
+        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
+        on_failure: Literal["eager", "raise"] = "eager",
+        max_graphs: int | None = None,
+        confirm_steps: int = 2,
+        parity_tol: float | None = None,
+        max_pool_mib: float | None = None,
+        seal_after_steps: int | None = None,
+        audit_every_n_steps: int | None = 1000,
+        compile: bool | Mapping[str, Any] = False,
+        # end of options
+    ) -> None:
+        self.config = config = config_from(type(self).__name__, locals())
         #: Named in messages and errors: this class, or the strategy that added the callback.
         self.component = type(self).__name__
         self._capture_backend: CaptureBackend | None = None
@@ -182,37 +236,9 @@ class CUDAGraphCallback(Callback):
         self.rollout.report.load_state_dict(state_dict.get("report", {}))
 
 
-def checked_capture_backend(component: str, backend: Any) -> CaptureBackend | None:
-    """``capture_backend`` as set on the callback or a strategy: ``None`` or a backend instance for its device."""
-    if backend is None or (isinstance(backend, CaptureBackend) and not _cuda_backend_off_cuda(backend)):
-        return backend
-    allowed = "None (CUDA on a CUDA device, graphs off elsewhere) or a CaptureBackend instance"
-    if isinstance(backend, type) and issubclass(backend, CaptureBackend):
-        fix = f"pass an instance, not the class: capture_backend = {backend.__name__}(...)"
-    elif isinstance(backend, CaptureBackend):
-        fix = (
-            "CUDABackend captures on a CUDA device: build it with CUDABackend(torch.device('cuda', 0)), or leave"
-            " capture_backend=None (the package builds it for the Trainer's device)"
-        )
-    else:
-        fix = (
-            "leave it None (the package picks CUDA on a CUDA device), or set an instance of a"
-            " lightning_cudagraph.graphs.backend.CaptureBackend subclass"
-        )
-    if isinstance(backend, CaptureBackend):
-        shown: Any = Verbatim(f"{type(backend).__name__}(device={backend.device!r})")
-    else:
-        shown = backend if isinstance(backend, (str, type)) else Verbatim(repr(backend))
-    raise config_error(component, "capture_backend", shown, allowed, fix)
-
-
-def _cuda_backend_off_cuda(backend: CaptureBackend) -> bool:
-    return isinstance(backend, CUDABackend) and torch.device(backend.device).type != "cuda"
-
-
 def _refuse_a_second_callback(trainer: pl.Trainer, callback: CUDAGraphCallback) -> None:
     """Two rollouts on one Trainer would patch the same forwards and fight over the stream: refuse it."""
-    refuse_more_than_one(trainer.callbacks, callback)
+    refuse_more_than_one(trainer_callbacks(trainer), callback)
 
 
 def _refuse_duplicates_in_trainer_init(callback: CUDAGraphCallback) -> None:

@@ -1,113 +1,30 @@
-"""Lightning strategies that carry the graph options and the whole-step override points.
+"""The package's Lightning strategies: the graph options as Trainer flags, on one device or under DDP.
 
-Strategies that carry the graph options as Trainer flags (``Trainer(strategy="cudagraph_attn_mlp")``,
-``--trainer.strategy=...`` in LightningCLI), add :class:`~lightning_cudagraph.CUDAGraphCallback` when the user did
-not, and provide the public override points the whole-step graph needs: ``batch_to_device`` (static batch
-buffers), ``training_step`` (the captured output), ``optimizer_step`` (capture and replay), ``teardown`` and
-``on_exception`` (release before the model leaves the GPU).
+``Trainer(strategy="cudagraph_attn_mlp")`` (``--trainer.strategy=...`` in LightningCLI) picks a registered name.
+Both strategies add :class:`~lightning_cudagraph.CUDAGraphCallback` when the user did not, and provide the
+whole-step override points (:class:`~lightning_cudagraph.strategy_base.CUDAGraphStrategyBase`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_cudagraph._lightning import single_device_root, trainer_of
-from lightning_cudagraph.callback import CUDAGraphCallback, checked_capture_backend
-from lightning_cudagraph.config import CUDAGraphConfig, config_error, documents_graph_options, takes_graph_options
-from lightning_cudagraph.environment import ensure_graph_safe_allocator
-from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.preflight import DDP_FULL_ITERATION_MIN_WARMUP, ddp_warmup_error
-from lightning_cudagraph.rollout import Rollout
+from lightning_cudagraph._lightning import single_device_root
+from lightning_cudagraph.errors import config_error
+from lightning_cudagraph.keywords import checks_keywords, config_from
+from lightning_cudagraph.preflight import check_ddp_warmup
+from lightning_cudagraph.strategy_base import CUDAGraphStrategyBase
+
+__all__ = ["CUDAGraphStrategy", "DDPCUDAGraphStrategy", "register_strategies"]
 
 
-class _CUDAGraphStrategyMixin:
-    """The graph options and the whole-step override points, shared by the single-device and DDP strategies."""
-
-    supports_full_iteration = True
-
-    def _init_graph_options(self, config: CUDAGraphConfig) -> None:
-        self.cudagraph_config = config
-        self._capture_backend: CaptureBackend | None = None
-        if config.enabled:
-            ensure_graph_safe_allocator(type(self).__name__)
-        self._callback: CUDAGraphCallback | None = None
-
-    @property
-    def capture_backend(self) -> CaptureBackend | None:
-        """Handed to the callback this strategy attaches (see :attr:`CUDAGraphCallback.capture_backend`)."""
-        return getattr(self, "_capture_backend", None)
-
-    @capture_backend.setter
-    def capture_backend(self, backend: CaptureBackend | None) -> None:
-        self._capture_backend = checked_capture_backend(type(self).__name__, backend)
-
-    @property
-    def rollout(self) -> Rollout | None:
-        """The rollout of the callback this strategy drives (``None`` before the Trainer connects)."""
-        return self._callback.rollout if self._callback is not None else None
-
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        trainer = trainer_of(model)
-        if trainer is not None:
-            self._callback = _attach_callback(trainer, self)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        rollout = self.rollout
-        if rollout is not None and self.lightning_module is not None:  # whole steps: fixed, or a level of auto
-            batch = rollout.plan_full_step(self.lightning_module.trainer, batch)
-        return batch
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        rollout = self.rollout
-        if rollout is not None and rollout.capturing_full_step:
-            rollout.on_training_step_output(output)
-        return output
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        rollout = self.rollout
-        run_step = lambda: super(_CUDAGraphStrategyMixin, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
-        if rollout is None:
-            return run_step()
-        return rollout.run_full_step(self.lightning_module.trainer, closure, optimizer, run_step)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._release()
-        super().on_exception(exception)
-
-    @override
-    def teardown(self) -> None:
-        self._release()  # before the model moves to the CPU
-        super().teardown()
-
-    def _release(self) -> None:
-        if self.rollout is not None:
-            self.rollout.release()
-
-
-@documents_graph_options
-class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
+class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
     """Single-device training with CUDA graphs; takes the options of :class:`~lightning_cudagraph.CUDAGraphCallback`.
 
     Registered names pick the scope as a Trainer flag: ``cudagraph`` (``scope="auto"``), ``cudagraph_attn``,
@@ -117,12 +34,53 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
     --trainer.strategy.max_pool_mib=512``.
 
     Args:
-        **options: The options of :class:`~lightning_cudagraph.CUDAGraphCallback`, described once in
-            :data:`~lightning_cudagraph.config.OPTION_DOCS` (written here at import).
         device: The device to train on; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
         accelerator: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         checkpoint_io: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         precision_plugin: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
+            ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
+        scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer`` and, with one of the package's strategies,
+            the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from ``full_iteration, attn,
+            mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a comma-separated string
+            works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs
+            :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
+        warmup_steps: Eager optimizer steps before capture (at least one step always runs eagerly; at least 11 for
+            ``full_iteration`` under DDP).
+        modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on qualified
+            module names (``"blocks.*.attn"``), an ``nn.Module`` subclass, or a predicate ``(name, module) -> bool``; or
+            a list of these. With a fixed ``scope``, every key must be one of its names; under ``scope="auto"`` a new
+            key joins every level, and a key that looks like a misspelt built-in scope is refused.
+        on_shape_change: What a batch of another shape does once graphs exist: ``"eager"`` (that step runs eagerly,
+            counted), ``"recapture"`` (the shape gets its own eager step, capture and confirmation; the ``max_graphs``
+            least recently used graph sets are kept, others evicted and captured again when their shape returns) or
+            ``"error"``. Pad batches to a few lengths (:mod:`lightning_cudagraph.bucketing`).
+        on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
+        max_graphs: Most graph sets (batch shapes) held with ``on_shape_change="recapture"`` (at least 2; 4 when not
+            given). Only with ``"recapture"``: the other policies keep one graph set.
+        confirm_steps: Steps after capture that are checked before the graphs are trusted (1 to 100).
+        parity_tol: Largest relative difference allowed between graphed and eager forwards, at most 0.25 (above that the
+            check could not tell a wrong graph from a right one); by default 1e-4 in float32, 2e-2 under autocast and
+            0.125 under FP8.
+        max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
+        seal_after_steps: From this optimizer step on (at most ``Trainer(max_steps=...)``), the set of batch shapes is
+            closed: a shape without graphs raises, naming it and the captured shapes (``None``: never;
+            :meth:`~lightning_cudagraph.CUDAGraphCallback.seal` closes it by hand). A seal taken before the first
+            capture (during the eager warmup steps) closes the set to the shape that warmup captures: that shape is
+            still captured when warmup ends, and any other shape raises.
+        audit_every_n_steps: The numerics guard: every this many replayed steps, the graphs are checked against eager on
+            a real batch. The whole step runs a shadow step (the graph replays, the state is put back, the step runs
+            eagerly and is kept; loss and parameter update must agree); scoped graphs check one region's forward against
+            eager (round-robin). A failure rolls back (or raises with ``on_failure="raise"``); a region that fails is
+            left eager. Every captured whole step is also shadow-checked on its capture step. ``None`` or 0:
+            confirmation only. Each audit costs about one eager step.
+        compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
+            captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
+            arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
+            ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed ``scope``
+            (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
+            ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
+            :mod:`lightning_cudagraph.compiling`.
 
     Example::
 
@@ -133,15 +91,31 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
         ('attn', 'mlp')
     """
 
-    @takes_graph_options
+    @checks_keywords
     def __init__(
         self,
-        config: CUDAGraphConfig,
         device: str | torch.device | int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        *,
+        # options: written by scripts/option_signatures.py
+        impl: Literal["none", "local", "transformer_engine"] = "local",
+        scope: str | Sequence[str] = "auto",
+        warmup_steps: int = 3,
+        modules: Mapping[str, Any] | None = None,
+        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
+        on_failure: Literal["eager", "raise"] = "eager",
+        max_graphs: int | None = None,
+        confirm_steps: int = 2,
+        parity_tol: float | None = None,
+        max_pool_mib: float | None = None,
+        seal_after_steps: int | None = None,
+        audit_every_n_steps: int | None = 1000,
+        compile: bool | Mapping[str, Any] = False,
+        # end of options
     ) -> None:
+        config = config_from(type(self).__name__, locals())
         super().__init__(
             device=device if device is not None else "cpu",
             accelerator=accelerator,
@@ -171,8 +145,7 @@ class CUDAGraphStrategy(_CUDAGraphStrategyMixin, SingleDeviceStrategy):
         super().connect(model)
 
 
-@documents_graph_options
-class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
+class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
     """DDP training with CUDA graphs (one process per GPU); takes the callback's options plus DDP's.
 
     Scoped graphs keep DDP's gradient all-reduce outside the graphs. With ``scope=["full_iteration"]`` the
@@ -180,8 +153,49 @@ class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
     warmup steps are required (NCCL's requirement). Registered as ``ddp_cudagraph`` and ``ddp_cudagraph_full``.
 
     Args:
-        **options: The options of :class:`~lightning_cudagraph.CUDAGraphCallback`, described once in
-            :data:`~lightning_cudagraph.config.OPTION_DOCS` (written here at import).
+        impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
+            ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
+        scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer`` and, with one of the package's strategies,
+            the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from ``full_iteration, attn,
+            mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a comma-separated string
+            works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs
+            :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
+        warmup_steps: Eager optimizer steps before capture (at least one step always runs eagerly; at least 11 for
+            ``full_iteration`` under DDP).
+        modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on qualified
+            module names (``"blocks.*.attn"``), an ``nn.Module`` subclass, or a predicate ``(name, module) -> bool``; or
+            a list of these. With a fixed ``scope``, every key must be one of its names; under ``scope="auto"`` a new
+            key joins every level, and a key that looks like a misspelt built-in scope is refused.
+        on_shape_change: What a batch of another shape does once graphs exist: ``"eager"`` (that step runs eagerly,
+            counted), ``"recapture"`` (the shape gets its own eager step, capture and confirmation; the ``max_graphs``
+            least recently used graph sets are kept, others evicted and captured again when their shape returns) or
+            ``"error"``. Pad batches to a few lengths (:mod:`lightning_cudagraph.bucketing`).
+        on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
+        max_graphs: Most graph sets (batch shapes) held with ``on_shape_change="recapture"`` (at least 2; 4 when not
+            given). Only with ``"recapture"``: the other policies keep one graph set.
+        confirm_steps: Steps after capture that are checked before the graphs are trusted (1 to 100).
+        parity_tol: Largest relative difference allowed between graphed and eager forwards, at most 0.25 (above that the
+            check could not tell a wrong graph from a right one); by default 1e-4 in float32, 2e-2 under autocast and
+            0.125 under FP8.
+        max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
+        seal_after_steps: From this optimizer step on (at most ``Trainer(max_steps=...)``), the set of batch shapes is
+            closed: a shape without graphs raises, naming it and the captured shapes (``None``: never;
+            :meth:`~lightning_cudagraph.CUDAGraphCallback.seal` closes it by hand). A seal taken before the first
+            capture (during the eager warmup steps) closes the set to the shape that warmup captures: that shape is
+            still captured when warmup ends, and any other shape raises.
+        audit_every_n_steps: The numerics guard: every this many replayed steps, the graphs are checked against eager on
+            a real batch. The whole step runs a shadow step (the graph replays, the state is put back, the step runs
+            eagerly and is kept; loss and parameter update must agree); scoped graphs check one region's forward against
+            eager (round-robin). A failure rolls back (or raises with ``on_failure="raise"``); a region that fails is
+            left eager. Every captured whole step is also shadow-checked on its capture step. ``None`` or 0:
+            confirmation only. Each audit costs about one eager step.
+        compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
+            captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
+            arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
+            ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed ``scope``
+            (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
+            ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
+            :mod:`lightning_cudagraph.compiling`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Example::
@@ -191,12 +205,31 @@ class DDPCUDAGraphStrategy(_CUDAGraphStrategyMixin, DDPStrategy):
         True
     """
 
-    @takes_graph_options
-    def __init__(self, config: CUDAGraphConfig, **kwargs: Any) -> None:
+    @checks_keywords
+    def __init__(
+        self,
+        *,
+        # options: written by scripts/option_signatures.py
+        impl: Literal["none", "local", "transformer_engine"] = "local",
+        scope: str | Sequence[str] = "auto",
+        warmup_steps: int = 3,
+        modules: Mapping[str, Any] | None = None,
+        on_shape_change: Literal["eager", "recapture", "error"] = "eager",
+        on_failure: Literal["eager", "raise"] = "eager",
+        max_graphs: int | None = None,
+        confirm_steps: int = 2,
+        parity_tol: float | None = None,
+        max_pool_mib: float | None = None,
+        seal_after_steps: int | None = None,
+        audit_every_n_steps: int | None = 1000,
+        compile: bool | Mapping[str, Any] = False,
+        # end of options
+        **kwargs: Any,
+    ) -> None:
+        config = config_from(type(self).__name__, locals())
         super().__init__(**kwargs)
         self._init_graph_options(config)
-        if config.full_iteration and config.warmup_steps < DDP_FULL_ITERATION_MIN_WARMUP:
-            raise ddp_warmup_error(type(self).__name__, config.warmup_steps)
+        check_ddp_warmup(config, type(self).__name__)
 
     @override
     def teardown(self) -> None:
@@ -220,28 +253,8 @@ def _warn_on_grad_stream_mismatch(enabled: bool) -> None:
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
 
 
-def _attach_callback(trainer: pl.Trainer, strategy: _CUDAGraphStrategyMixin) -> CUDAGraphCallback:
-    """The Trainer's CUDAGraphCallback, added with the strategy's options when the user did not add one."""
-    config, backend = strategy.cudagraph_config, strategy.capture_backend
-    existing = [cb for cb in trainer.callbacks if isinstance(cb, CUDAGraphCallback)]
-    if existing:
-        if existing[0].config != config and config != CUDAGraphConfig():
-            rank_zero_warn(
-                "CUDAGraphCallback was given both as a callback and through the strategy's options; the callback's"
-                " options apply."
-            )
-        if existing[0].capture_backend is None:
-            existing[0].capture_backend = backend
-        return existing[0]
-    callback = CUDAGraphCallback(**config.options())
-    callback.capture_backend, callback.component = backend, type(strategy).__name__
-    # Lightning keeps checkpoint callbacks last, so they save every other callback's state of the step.
-    first_checkpoint = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
-    trainer.callbacks.insert(len(trainer.callbacks) if first_checkpoint is None else first_checkpoint, callback)
-    return callback
-
-
-_REGISTERED = {
+#: Registered name: (class, options, description).
+_REGISTERED: dict[str, tuple[type[Strategy], dict[str, Any], str]] = {
     "cudagraph": (
         CUDAGraphStrategy,
         {},

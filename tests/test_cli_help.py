@@ -1,8 +1,8 @@
 """LightningCLI: every option of the callback and both strategies has its description, and errors come first.
 
-jsonargparse reads the ``Args:`` of a class docstring (docstring_parser); the package writes them from one table,
-``OPTION_DOCS``. A configuration error under LightningCLI ends the program with the package's message, not a
-jsonargparse Union traceback.
+jsonargparse reads the ``Args:`` of a class docstring (docstring_parser); they are written from one declaration,
+``lightning_cudagraph.options.OPTIONS`` (tests/test_option_signatures.py checks they agree). A configuration error
+under LightningCLI ends the program with the package's message, not a jsonargparse Union traceback.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ pytest.importorskip("jsonargparse", reason="LightningCLI's parser (the `examples
 from jsonargparse import ArgumentParser
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy
-from lightning_cudagraph import config as config_module
-from lightning_cudagraph.config import OPTION_DOCS, CUDAGraphConfig, documents_graph_options
+from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.options import OPTION_DOCS
 from tests.test_strategies import build_cli
 
 CLASSES = [CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy]
@@ -46,26 +46,6 @@ def test_signature_and_help_show_every_option_with_its_description(cls):
     helps = {action.dest.removeprefix("graph."): " ".join((action.help or "").split()) for action in parser._actions}
     for name in OPTIONS:
         assert opening(OPTION_DOCS[name]) in helps[name], f"{cls.__name__} --{name}: {helps[name]!r}"
-
-
-def test_a_class_whose_docstring_has_no_place_for_the_options_is_refused():
-    class Undocumented:
-        """No Args section."""
-
-    with pytest.raises(TypeError, match="no `\\*\\*options:` entry"):
-        documents_graph_options(Undocumented)
-
-
-def test_an_option_without_a_description_fails_at_import(monkeypatch):
-    monkeypatch.delitem(config_module.OPTION_DOCS, "compile")
-
-    class Documented:
-        """Args:
-        **options: here.
-        """
-
-    with pytest.raises(TypeError, match="compile"):
-        documents_graph_options(Documented)
 
 
 def test_the_real_cli_help_shows_the_descriptions():

@@ -1,0 +1,41 @@
+"""``capture_backend`` as set on the callback or a strategy: ``None``, or a backend instance for its device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_cudagraph.errors import Verbatim, config_error
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.graphs.cuda import CUDABackend
+
+__all__ = ["checked_capture_backend"]
+
+
+def checked_capture_backend(component: str, backend: Any) -> CaptureBackend | None:
+    """``capture_backend`` as set on the callback or a strategy: ``None`` or a backend instance for its device."""
+    if backend is None or (isinstance(backend, CaptureBackend) and not _cuda_backend_off_cuda(backend)):
+        return backend
+    allowed = "None (CUDA on a CUDA device, graphs off elsewhere) or a CaptureBackend instance"
+    if isinstance(backend, type) and issubclass(backend, CaptureBackend):
+        fix = f"pass an instance, not the class: capture_backend = {backend.__name__}(...)"
+    elif isinstance(backend, CaptureBackend):
+        fix = (
+            "CUDABackend captures on a CUDA device: build it with CUDABackend(torch.device('cuda', 0)), or leave"
+            " capture_backend=None (the package builds it for the Trainer's device)"
+        )
+    else:
+        fix = (
+            "leave it None (the package picks CUDA on a CUDA device), or set an instance of a"
+            " lightning_cudagraph.graphs.backend.CaptureBackend subclass"
+        )
+    if isinstance(backend, CaptureBackend):
+        shown: Any = Verbatim(f"{type(backend).__name__}(device={backend.device!r})")
+    else:
+        shown = backend if isinstance(backend, (str, type)) else Verbatim(repr(backend))
+    raise config_error(component, "capture_backend", shown, allowed, fix)
+
+
+def _cuda_backend_off_cuda(backend: CaptureBackend) -> bool:
+    return isinstance(backend, CUDABackend) and torch.device(backend.device).type != "cuda"

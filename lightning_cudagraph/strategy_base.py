@@ -1,0 +1,134 @@
+"""What both strategies of the package share: the graph options and the whole-step override points.
+
+The override points a whole-step graph needs: ``batch_to_device`` (static batch buffers), ``training_step`` (the
+captured output), ``optimizer_step`` (capture and replay), ``teardown`` and ``on_exception`` (release before the
+model leaves the GPU). On connect, the strategy adds :class:`~lightning_cudagraph.CUDAGraphCallback` with its
+options when the user did not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_cudagraph._lightning import trainer_callbacks, trainer_of
+from lightning_cudagraph.backend_setting import checked_capture_backend
+from lightning_cudagraph.callback import CUDAGraphCallback
+from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.environment import ensure_graph_safe_allocator
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.rollout import Rollout
+
+__all__ = ["CUDAGraphStrategyBase", "attach_callback"]
+
+
+class CUDAGraphStrategyBase(Strategy):
+    """The graph options and the whole-step override points, shared by the single-device and DDP strategies.
+
+    It comes first among the bases of a strategy (``class S(CUDAGraphStrategyBase, SingleDeviceStrategy)``), so
+    its hooks run around those of the Lightning strategy that follows it.
+    """
+
+    supports_full_iteration = True
+
+    def _init_graph_options(self, config: CUDAGraphConfig) -> None:
+        self.cudagraph_config = config
+        self._capture_backend: CaptureBackend | None = None
+        if config.enabled:
+            ensure_graph_safe_allocator(type(self).__name__)
+        self._callback: CUDAGraphCallback | None = None
+
+    @property
+    def capture_backend(self) -> CaptureBackend | None:
+        """Handed to the callback this strategy attaches (see :attr:`CUDAGraphCallback.capture_backend`)."""
+        return getattr(self, "_capture_backend", None)
+
+    @capture_backend.setter
+    def capture_backend(self, backend: CaptureBackend | None) -> None:
+        self._capture_backend = checked_capture_backend(type(self).__name__, backend)
+
+    @property
+    def rollout(self) -> Rollout | None:
+        """The rollout of the callback this strategy drives (``None`` before the Trainer connects)."""
+        return self._callback.rollout if self._callback is not None else None
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        trainer = trainer_of(model)
+        if trainer is not None:
+            self._callback = attach_callback(trainer, self)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        rollout = self.rollout
+        if rollout is not None and self.lightning_module is not None:  # whole steps: fixed, or a level of auto
+            batch = rollout.plan_whole_step(self.lightning_module.trainer, batch)
+        return batch
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        rollout = self.rollout
+        if rollout is not None and rollout.capturing_whole_step:
+            rollout.on_training_step_output(output)
+        return output
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        rollout = self.rollout
+        run_step = lambda: super(CUDAGraphStrategyBase, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
+        module = self.lightning_module
+        if rollout is None or module is None:
+            return run_step()
+        return rollout.run_whole_step(module.trainer, closure, optimizer, run_step)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._release()
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._release()  # before the model moves to the CPU
+        super().teardown()
+
+    def _release(self) -> None:
+        if self.rollout is not None:
+            self.rollout.release()
+
+
+def attach_callback(trainer: pl.Trainer, strategy: CUDAGraphStrategyBase) -> CUDAGraphCallback:
+    """The Trainer's CUDAGraphCallback, added with the strategy's options when the user did not add one."""
+    config, backend = strategy.cudagraph_config, strategy.capture_backend
+    existing = [cb for cb in trainer_callbacks(trainer) if isinstance(cb, CUDAGraphCallback)]
+    if existing:
+        if existing[0].config != config and config != CUDAGraphConfig():
+            rank_zero_warn(
+                "CUDAGraphCallback was given both as a callback and through the strategy's options; the callback's"
+                " options apply."
+            )
+        if existing[0].capture_backend is None:
+            existing[0].capture_backend = backend
+        return existing[0]
+    callback = CUDAGraphCallback(**config.options())
+    callbacks = trainer_callbacks(trainer)
+    callback.capture_backend, callback.component = backend, type(strategy).__name__
+    # Lightning keeps checkpoint callbacks last, so they save every other callback's state of the step.
+    first_checkpoint = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), None)
+    callbacks.insert(len(callbacks) if first_checkpoint is None else first_checkpoint, callback)
+    return callback
