@@ -14,12 +14,13 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import docstring_parser
 import pytest
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.options import OPTIONS
+
+docstring_parser = pytest.importorskip("docstring_parser", reason="jsonargparse's docstring reader (the `test` extra)")
 
 ROOT = Path(__file__).parents[1]
 CLASSES = [CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy]
