@@ -164,6 +164,17 @@ def test_resnet_blocks_train_on_layer_graphs_with_batchnorm_statistics_equal_to_
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
 
 
+def test_with_gradient_accumulation_batchnorm_counts_every_micro_batch_as_eager_does():
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
+    callback.capture_backend = FakeBackend()
+    steps, accumulate = STEPS // 2, 2
+    eager = fit(classifier(resnet18), images(), steps, accumulate_grad_batches=accumulate, **CPU)
+    run = fit(classifier(resnet18), images(), steps, [callback], accumulate_grad_batches=accumulate, **CPU)
+
+    assert callback.report.stage == Stage.REPLAYING and callback.report.replays > 0
+    assert_same_batchnorm(eager.model, run.model)  # STEPS micro-batches, each counted once
+
+
 def test_the_callbacks_auto_scope_puts_mobilenet_on_its_blocks_with_batchnorm_equal_to_eager():
     # The fake timer makes graphed steps faster than eager ones, so the ladder keeps the level it found.
     backend = FakeBackend(step_ms=lambda fake: 4.0 if fake.live_region_names else 10.0)
