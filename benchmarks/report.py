@@ -1,439 +1,435 @@
-"""Turn the JSON that ``benchmarks/run.py`` writes into Markdown tables and PNG charts.
+"""Write the benchmark docs and charts from committed JSON (no GPU needed).
 
-Regenerate ``RESULTS.md`` and every chart from the JSON files of a results directory (no GPU needed)::
+    python benchmarks/report.py                      # docs/benchmarks.md and docs/charts/ from benchmarks/results/
+    python benchmarks/report.py DIR                  # DIR/RESULTS.md and its charts, from the JSON under DIR
+    python benchmarks/report.py --no-charts
 
-    python benchmarks/report.py benchmarks/results
-
-Every ratio and verdict is computed from the measurements in the JSON; nothing here holds a figure of its own.
+Every figure and ratio is computed from the measurements in the JSON; nothing here holds a figure of its own. A
+record names its kind (``table``, ``sweep``, ``auto``, ``compile``, ``hf``, ``logging``, ``shapes``, ``audit``,
+``zoo``); records written before kinds existed are known by their file's name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-DEFAULT_RESULTS = BENCH_DIR / "results"
-RESULTS_FILE = "RESULTS.md"
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-#: The variant every "vs eager Lightning" ratio divides.
-BASELINE = "eager"
-#: Transformer Engine runs compare TE graphs with the same TE model trained eagerly.
-TE_BASELINE = "te_eager"
-#: Variants that capture part of the model, compared with the hand-written per-block capture.
-SCOPED_VARIANTS = frozenset({"attn", "mlp", "attn+mlp", "layer", "te_layer", "moe_router+preprocess"})
-#: Variants that run no CUDA graph at all (left out of "do graphs pay" verdicts).
-NO_GRAPH_VARIANTS = frozenset({"eager", "te_eager", "pytorch_eager", "compile_default"})
-#: A speedup below this is "graphs gain little" in the verdicts.
-GAIN_THRESHOLD = 1.05
+from benchmarks.core.figures import finite, max_abs_diff, ratio
 
-CONFIG_ORDER = ("small", "medium", "moe", "tiny")
-PRECISION_ORDER = ("32-true", "bf16-mixed")
-#: The Transformer Engine variants (measured only where TE is installed); their runs get their own files.
-TE_VARIANTS = ("te_eager", "te_layer")
-PRECISION_LABELS = {"32-true": "fp32", "bf16-mixed": "bf16-mixed", "transformer-engine": "FP8 (transformer-engine)"}
-MISSING = "n/a"
-
-LEGEND = (
-    "*vs eager Lightning*: the median step time of eager Lightning over the variant's (above 1.00x: faster). "
-    "*vs hand-written*: the same ratio against the hand-written capture of the same region without the package: "
-    "`handwritten_layer` for scoped variants, `pytorch_full_graph` for `full_iteration`, `pytorch_eager` for "
-    "`eager` (1.00x: the package matches the hand-written code). Step times are CUDA-event distances between "
-    "consecutive batch starts, after the skipped warmup and capture steps."
-)
-
-
-def handwritten_reference(variant: str) -> str | None:
-    """The hand-written variant a Lightning variant is compared with, or ``None``."""
-    if variant in SCOPED_VARIANTS:
-        return "handwritten_layer"
-    return {"full_iteration": "pytorch_full_graph", "eager": "pytorch_eager"}.get(variant)
-
-
-def ratio(reference_ms: float | None, ms: float | None) -> float | None:
-    """``reference_ms / ms`` (a speedup over the reference), or ``None`` when either is missing."""
-    if not (_finite(reference_ms) and _finite(ms)) or ms <= 0:
-        return None
-    return reference_ms / ms
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+DOCS, CHARTS = REPO / "docs" / "benchmarks.md", REPO / "docs" / "charts"
+NA = "n/a"
+PRECISIONS = {"32-true": "fp32", "bf16-mixed": "bf16-mixed", "transformer-engine": "FP8 (transformer-engine)"}
+ORDER = ("small", "medium", "moe", "tiny")
+LABELS = {
+    "eager": "eager Lightning",
+    "attn": '`scope=["attn"]`',
+    "mlp": '`scope=["mlp"]`',
+    "attn+mlp": '`scope=["attn", "mlp"]`',
+    "attn+moe_router": '`scope=["attn", "moe_router"]`',
+    "moe_router+preprocess": '`scope=["moe_router", "moe_preprocess"]`',
+    "layer": '`scope=["layer"]`',
+    "layer+compile": '`scope=["layer"]` + `compile=True`',
+    "full_iteration": '`strategy="cudagraph_full"`',
+    "full_iteration+compile": '`strategy="cudagraph_full"` + `compile=True`',
+    "auto-callback": "`CUDAGraphCallback()` (auto)",
+    "auto-strategy": '`strategy="cudagraph"` (auto)',
+    "handwritten_layer": "hand-written `make_graphed_callables` on the blocks, in Lightning",
+    "pytorch_eager": "plain PyTorch loop, eager",
+    "pytorch_block_graphs": "hand-written per-block graphs, plain PyTorch loop",
+    "pytorch_full_graph": "hand-written whole-step `torch.cuda.graph`, plain PyTorch loop",
+    "compile_default": "default `torch.compile` in Lightning",
+    "compile_reduce_overhead": '`torch.compile(mode="reduce-overhead")` in Lightning',
+    "te_eager": "Transformer Engine GPT, eager",
+    "te_layer": '`impl="transformer_engine"`, `scope=["layer"]`',
+    "thunder": "Thunder (`CUDAGraphTransform`)",
+}
+#: The hand-written capture each package variant is compared with.
+HANDWRITTEN = {"full_iteration": "pytorch_full_graph", "eager": "pytorch_eager"}
+README_ROWS = ("eager", "attn", "attn+mlp", "layer", "full_iteration", "handwritten_layer", "pytorch_block_graphs")
+README_ROWS += ("pytorch_full_graph",)
+ZOO_FAILURES = ("graphs-WRONG", "eager-SILENT", "state-WRONG", "error")
 
 
-def precision_label(precision: str) -> str:
-    """``fp32`` for ``32-true``; other precisions as Lightning names them."""
-    return PRECISION_LABELS.get(precision, precision)
-
-
-def load_records(out: Path, kind: str, precisions: Sequence[str]) -> list[dict[str, Any]]:
-    """The records of one benchmark script in ``out`` (``<kind>_*.json`` whose ``kind`` is ``kind``), by precision."""
+# ---------------------------------------------------------------------------------------------------- loading
+def load(results: Path) -> list[dict[str, Any]]:
+    """Every record under ``results``, with ``kind`` and ``file`` (its path from ``results``'s parent)."""
     records = []
-    for path in sorted(out.glob(f"{kind}_*.json")):
-        with path.open() as handle:
-            record = json.load(handle)
-        if isinstance(record, dict) and record.get("kind") == kind:
-            records.append(record)
-    order = {precision: i for i, precision in enumerate(precisions)}
-    return sorted(records, key=lambda record: order.get(record.get("precision"), len(order)))
-
-
-def write_records_markdown(
-    path: Path, kind: str, precisions: Sequence[str], title: str, section: Callable[[dict[str, Any]], str]
-) -> Path:
-    """Markdown at ``path`` from the records of ``benchmarks/<kind>.py`` beside it: a title, a section per record."""
-    records = load_records(path.parent, kind, precisions)
-    text = f"# {title}\n\nWritten by `benchmarks/{kind}.py` from the JSON beside this file.\n"
-    path.write_text(text + "".join(f"\n{section(record)}" for record in records))
-    return path
-
-
-def load_runs(results_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The run records (JSON files of ``benchmarks/run.py``) in a directory, in report order; others are skipped."""
-    runs = []
-    for path in sorted(Path(results_dir).glob("*.json")):
-        with path.open() as handle:
-            record = json.load(handle)
-        if isinstance(record, dict) and {"schema", "config", "precision", "results"} <= record.keys():
-            runs.append({**record, "file": path.name})
-        else:
-            print(f"skipped {path}: not a results record of benchmarks/run.py", file=sys.stderr)
-    return sorted(runs, key=_run_order)
-
-
-def medians(run: dict[str, Any], batch_size: int | None = None) -> dict[str, float | None]:
-    """Median ms/step per variant of a run (of one batch size when given)."""
-    return {
-        r["variant"]: r.get("median_ms")
-        for r in run["results"]
-        if batch_size is None or r.get("batch_size") == batch_size
-    }
-
-
-def is_handwritten(variant: str) -> bool:
-    """Whether a variant is hand-written code that does not use the package (``pytorch_*``, ``handwritten_*``)."""
-    return variant.startswith(("pytorch_", "handwritten_"))
-
-
-def best_graph_speedup(run: dict[str, Any], handwritten: bool = True) -> tuple[str, float] | None:
-    """The graph variant with the largest speedup over eager Lightning, and that speedup.
-
-    Args:
-        run: A run record.
-        handwritten: Consider the hand-written variants too (``False``: Lightning variants only).
-    """
-    by_variant = medians(run)
-    speedups = {
-        variant: ratio(by_variant.get(baseline_of(by_variant)), ms)
-        for variant, ms in by_variant.items()
-        if variant not in NO_GRAPH_VARIANTS and (handwritten or not is_handwritten(variant))
-    }
-    measured = {variant: s for variant, s in speedups.items() if s is not None}
-    if not measured:
-        return None
-    variant = max(measured, key=measured.__getitem__)
-    return variant, measured[variant]
-
-
-def verdict(run: dict[str, Any], threshold: float = GAIN_THRESHOLD) -> str:
-    """One line on whether graphs pay for this config and precision, computed from its medians."""
-    best = best_graph_speedup(run)
-    if best is None:
-        return "no verdict: eager Lightning or every graph variant is missing"
-    speedup = best[1]
-    gain = _gain(best, best_graph_speedup(run, handwritten=False))
-    if speedup < 1.0:
-        line = f"graphs do not pay here: every graph variant is slower than eager Lightning ({gain})"
-    elif speedup < threshold:
-        line = f"compute-bound: graphs gain <{(threshold - 1) * 100:.0f}% ({gain})"
-    else:
-        line = f"host-bound: graphs pay ({gain})"
-    return line + _full_iteration_gap(run)
-
-
-def _gain(best: tuple[str, float], best_lightning: tuple[str, float] | None) -> str:
-    if best_lightning is None:
-        return f"best `{best[0]}`: {best[1]:.2f}x eager Lightning"
-    text = f"best Lightning variant `{best_lightning[0]}`: {best_lightning[1]:.2f}x eager Lightning"
-    return text if best == best_lightning else f"{text}; hand-written `{best[0]}`: {best[1]:.2f}x"
-
-
-def _full_iteration_gap(run: dict[str, Any]) -> str:
-    by_variant = medians(run)
-    reference = handwritten_reference("full_iteration")
-    gap = ratio(by_variant.get(reference), by_variant.get("full_iteration"))
-    return "" if gap is None else f"; `full_iteration` runs at {gap:.2f}x the hand-written `{reference}`"
-
-
-def table_markdown(run: dict[str, Any]) -> str:
-    """A Markdown table of one run: one row per variant, with the ratios to eager and to hand-written code."""
-    by_variant = medians(run)
-    header = (
-        "| variant | median ms/step | p25-p75 ms | vs eager Lightning | vs hand-written | peak MiB"
-        " | graph pool MiB | capture ms | replays | fallbacks | final loss | note |"
-    )
-    rows = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in run["results"]:
-        reference = handwritten_reference(r["variant"])
-        cells = [
-            r["variant"],
-            _number(r.get("median_ms"), 3),
-            _spread(r.get("p25_ms"), r.get("p75_ms")),
-            _times(ratio(by_variant.get(baseline_of(by_variant)), r.get("median_ms"))),
-            _times(ratio(by_variant.get(reference), r.get("median_ms"))) if reference else MISSING,
-            _number(r.get("peak_mib"), 0),
-            _number(r.get("pool_mib"), 1),
-            _number(r.get("capture_ms"), 0),
-            str(r.get("replays", 0)),
-            str(r.get("fallbacks", 0)),
-            _number(r.get("final_loss"), 4),
-            str(r.get("note", "")).replace("|", "/"),
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
-def run_title(run: dict[str, Any]) -> str:
-    """``small, fp32, batch 8`` (``small, Transformer Engine GPT, ...`` for a TE run): what a run measured."""
-    model = f"{run['config']}, Transformer Engine GPT" if record_stem(run).endswith("_te") else run["config"]
-    return f"{model}, {precision_label(run['precision'])}, batch {run.get('batch_size', MISSING)}"
-
-
-def environment_line(run: dict[str, Any]) -> str:
-    """Where and how a run was measured, from its ``environment``."""
-    env = run.get("environment", {})
-    versions = f"torch {env.get('torch', MISSING)}, lightning {env.get('lightning', MISSING)}"
-    timed = f"{run.get('steps', MISSING)} steps per variant, the first {run.get('skip', MISSING)} not timed"
-    return (
-        f"{env.get('gpu', 'unknown GPU')}, {versions}, {env.get('date', MISSING)}; {timed};"
-        f" measured by `{env.get('command', MISSING)}`"
-    )
-
-
-def run_section(run: dict[str, Any], chart: str | None = None) -> str:
-    """The Markdown of one run: title, verdict, optional chart, table and environment."""
-    parts = [f"### {run_title(run)}", "", f"**Verdict:** {verdict(run)}", ""]
-    if chart:
-        parts += [f"![ms/step per variant, {run_title(run)}]({chart})", ""]
-    parts += [table_markdown(run), "", f"<sub>{environment_line(run)}</sub>", ""]
-    return "\n".join(parts)
-
-
-def sweep_batch_sizes(run: dict[str, Any]) -> list[int]:
-    """The batch sizes a sweep measured, ascending."""
-    return sorted({r["batch_size"] for r in run["results"] if r.get("batch_size") is not None})
-
-
-def sweep_variants(run: dict[str, Any]) -> list[str]:
-    """The variants of a sweep in the order they were run."""
-    return list(dict.fromkeys(r["variant"] for r in run["results"]))
-
-
-def sweep_speedups(run: dict[str, Any], variant: str) -> list[float | None]:
-    """A variant's speedup over eager Lightning at each batch size of a sweep (``None`` where unmeasured)."""
-    points = []
-    for batch in sweep_batch_sizes(run):
-        by_variant = medians(run, batch)
-        points.append(ratio(by_variant.get(baseline_of(by_variant)), by_variant.get(variant)))
-    return points
-
-
-def pays_until(batch_sizes: Sequence[int], speedups: Sequence[float | None], threshold: float = GAIN_THRESHOLD) -> str:
-    """Where a variant stops paying: the first batch size at which its speedup drops below ``threshold``."""
-    measured = [(b, s) for b, s in zip(batch_sizes, speedups, strict=True) if s is not None]
-    if not measured:
-        return "not measured"
-    below = [b for b, s in measured if s < threshold]
-    if not below:
-        return f"pays at every batch size measured (up to {measured[-1][0]})"
-    if below[0] == measured[0][0]:
-        return f"gains <{(threshold - 1) * 100:.0f}% from the smallest batch size ({below[0]}) on"
-    return f"stops paying (<{threshold:.2f}x) at batch {below[0]}"
-
-
-def sweep_verdict(run: dict[str, Any], threshold: float = GAIN_THRESHOLD) -> str:
-    """One line per sweep: where each graph variant stops paying, computed from the medians."""
-    batch_sizes = sweep_batch_sizes(run)
-    graphed = [v for v in sweep_variants(run) if v not in NO_GRAPH_VARIANTS]
-    if not graphed:
-        return "no verdict: no graph variant in the sweep"
-    parts = [f"`{v}` {pays_until(batch_sizes, sweep_speedups(run, v), threshold)}" for v in graphed]
-    return "; ".join(parts)
-
-
-def sweep_table(run: dict[str, Any]) -> str:
-    """A Markdown table of a sweep: median ms/step of each variant and speedups over eager, per batch size."""
-    variants = sweep_variants(run)
-    graphed = [v for v in variants if v != BASELINE]
-    header = ["batch", *(f"{v} ms" for v in variants), *(f"{v} vs eager" for v in graphed)]
-    rows = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for batch in sweep_batch_sizes(run):
-        by_variant = medians(run, batch)
-        cells = [str(batch), *(_number(by_variant.get(v), 3) for v in variants)]
-        cells += [_times(ratio(by_variant.get(baseline_of(by_variant)), by_variant.get(v))) for v in graphed]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
-def sweep_section(run: dict[str, Any], chart: str | None = None) -> str:
-    """The Markdown of a batch-size sweep: verdict, chart, table and environment."""
-    title = f"Batch-size sweep: {run['config']}, {precision_label(run['precision'])}"
-    parts = [f"### {title}", "", f"**Verdict:** {sweep_verdict(run)}", ""]
-    if chart:
-        parts += [f"![speedup over eager Lightning vs batch size]({chart})", ""]
-    parts += [sweep_table(run), "", f"<sub>{environment_line(run)}</sub>", ""]
-    return "\n".join(parts)
-
-
-def record_stem(run: dict[str, Any]) -> str:
-    """The file stem of a run, shared by its JSON and its chart: ``small_32-true``, ``sweep_batch_small_32-true``.
-
-    A Transformer Engine run gets ``_te`` so that it does not overwrite the plain run of the same precision.
-    """
-    stem = f"{run['config']}_{run['precision']}"
-    if is_sweep(run):
-        return f"sweep_{run.get('sweep', 'batch')}_{stem}"
-    variants = [r["variant"] for r in run.get("results", [])]
-    return f"{stem}_te" if variants and all(v in TE_VARIANTS for v in variants) else stem
-
-
-def chart_name(run: dict[str, Any]) -> str:
-    """The PNG file name of a run's chart."""
-    stem = record_stem(run)
-    return f"{stem}.png" if is_sweep(run) else f"bars_{stem}.png"
-
-
-def is_sweep(run: dict[str, Any]) -> bool:
-    """Whether a run record is a sweep (its results span several batch sizes)."""
-    return run.get("kind") == "sweep"
-
-
-def bar_chart(run: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Horizontal bars of median ms/step per variant with p25-p75 whiskers and the speedup over eager."""
-    plt = _pyplot()
-    rows = [r for r in run["results"] if _finite(r.get("median_ms"))]
-    names = [r["variant"] for r in rows]
-    values = [r["median_ms"] for r in rows]
-    low = [max(0.0, r["median_ms"] - _or(r.get("p25_ms"), r["median_ms"])) for r in rows]
-    high = [max(0.0, _or(r.get("p75_ms"), r["median_ms"]) - r["median_ms"]) for r in rows]
-    eager = medians(run).get(baseline_of(medians(run)))
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
-    positions = range(len(rows))
-    ax.barh(positions, values, xerr=[low, high], color=[_bar_color(n) for n in names], capsize=3)
-    for position, value, above in zip(positions, values, high, strict=True):
-        speedup = ratio(eager, value)
-        if speedup is not None:  # right of the whisker, so the two never overlap
-            ax.text(value + above, position, f"  {speedup:.2f}x", va="center", fontsize=8)
-    ax.set_yticks(list(positions), names)
-    ax.invert_yaxis()
-    ax.set_xlabel("median ms/step (whiskers: p25-p75; labels: speedup over eager Lightning)")
-    ax.set_title(f"{run_title(run)} - {run.get('environment', {}).get('gpu', '')}", fontsize=10)
-    ax.margins(x=0.15)
-    return _save(fig, path)
-
-
-def sweep_chart(run: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Speedup over eager Lightning vs batch size (log2 axis) for every graph variant of a sweep."""
-    plt = _pyplot()
-    batch_sizes = sweep_batch_sizes(run)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for variant in sweep_variants(run):
-        if variant == BASELINE:
+    for path in sorted(results.rglob("*.json")):
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
             continue
-        points = [(b, s) for b, s in zip(batch_sizes, sweep_speedups(run, variant), strict=True) if s is not None]
-        if points:
-            style = "--" if is_handwritten(variant) else "-"
-            ax.plot(*zip(*points, strict=True), style, marker="o", label=variant)
-    ax.axhline(1.0, color="grey", linewidth=1, label=f"{BASELINE} (1.0)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("speedup over eager Lightning")
-    ax.set_title(f"Where graphs stop paying: {run['config']}, {precision_label(run['precision'])}", fontsize=10)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+        kind = record.get("kind") or path.stem.split("_")[0]
+        name = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path.relative_to(results)
+        records.append({**record, "kind": kind, "file": str(name), "dir": path.parent})
+    return records
 
 
-def draw_charts(runs: Iterable[dict[str, Any]], out_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """Draw each run's chart into ``out_dir``; map run file name to chart file name."""
-    charts = {}
-    for run in runs:
-        name = chart_name(run)
-        (sweep_chart if is_sweep(run) else bar_chart)(run, Path(out_dir) / name)
-        charts[run["file"]] = name
-    return charts
+def of_kind(records: Sequence[dict[str, Any]], kind: str, top: Path | None = None) -> list[dict[str, Any]]:
+    """The records of one kind (directly in ``top`` only, when given), small configs and fp32 first."""
+    chosen = [r for r in records if r["kind"] == kind and (top is None or r["dir"] == top)]
+    rank = {p: i for i, p in enumerate(PRECISIONS)}
+    key: Callable[[dict[str, Any]], tuple[Any, ...]] = lambda r: (  # noqa: E731
+        ORDER.index(r["config"]) if r.get("config") in ORDER else 9,
+        rank.get(r.get("precision", ""), 9),
+        r["file"],
+    )
+    return sorted(chosen, key=key)
 
 
-def results_markdown(runs: Sequence[dict[str, Any]], charts: dict[str, str], results_dir: Path) -> str:
-    """The whole of ``RESULTS.md``: how to reproduce it, the legend, every table and every sweep."""
-    commands = list(dict.fromkeys(run.get("environment", {}).get("command", MISSING) for run in runs))
-    parts = [
-        "# Benchmark results",
-        "",
-        "Generated by `benchmarks/report.py` from the JSON files beside this file; do not edit by hand.",
-        "",
-        "Measure (needs a CUDA GPU): " + ", ".join(f"`{c}`" for c in commands) + ".",
-        f"Regenerate this file and the charts (no GPU): `python benchmarks/report.py {_display_path(results_dir)}`.",
-        "",
-        LEGEND,
-        "",
-    ]
-    for run in runs:
-        section = sweep_section if is_sweep(run) else run_section
-        parts.append(section(run, charts.get(run["file"])))
-    return "\n".join(parts)
+# ---------------------------------------------------------------------------------------------------- cells
+def num(value: Any, digits: int = 2) -> str:
+    """A number with ``digits`` decimals (``None``: 3 significant digits), ``n/a`` where missing."""
+    if finite(value) is None:
+        return NA
+    return f"{value:.3g}" if digits is None else f"{value:.{digits}f}"
 
 
-def write_report(results_dir: str | os.PathLike[str] = DEFAULT_RESULTS, charts: bool = True) -> list[Path]:
-    """Write ``RESULTS.md`` and the PNG charts into ``results_dir`` from its JSON files; return the paths written.
-
-    Args:
-        results_dir: Directory of the JSON files ``benchmarks/run.py`` wrote; the report goes there too.
-        charts: Draw the PNG charts (needs matplotlib; without it the Markdown is written alone).
-
-    Raises:
-        FileNotFoundError: When the directory holds no results JSON.
-    """
-    results_dir = Path(results_dir)
-    runs = load_runs(results_dir)
-    if not runs:
-        raise FileNotFoundError(f"no results JSON in {results_dir}; run `python benchmarks/run.py --suite readme`")
-    drawn: dict[str, str] = {}
-    if charts:
-        try:
-            drawn = draw_charts(runs, results_dir)
-        except ImportError as err:
-            print(f"charts skipped ({err}); `pip install matplotlib` to draw them", file=sys.stderr)
-    markdown = results_dir / RESULTS_FILE
-    markdown.write_text(results_markdown(runs, drawn, results_dir))
-    return [markdown, *(results_dir / name for name in drawn.values())]
+def times(value: float | None, digits: int = 2) -> str:
+    """A speed ratio: ``2.26x``."""
+    return NA if value is None else f"{value:.{digits}f}x"
 
 
-def baseline_of(by_variant: dict[str, Any]) -> str:
+def cell(text: Any, limit: int = 200) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(text or "").replace("|", "/").replace("\n", " ")[:limit]
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
+    """A Markdown table; ``align`` has one letter per column (``l`` left, ``r`` right; default: first left)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)]) + "\n"
+
+
+def label(variant: str) -> str:
+    return LABELS.get(variant, f"`{variant}`")
+
+
+def by_variant(results: Sequence[dict[str, Any]], batch: int | None = None) -> dict[str, dict[str, Any]]:
+    return {r["variant"]: r for r in results if batch is None or r.get("batch_size") == batch}
+
+
+def ms(results: dict[str, dict[str, Any]], variant: str) -> float | None:
+    return (results.get(variant) or {}).get("median_ms")
+
+
+def baseline(results: dict[str, dict[str, Any]]) -> str:
     """The variant speedups divide: eager Lightning, or the eager TE model in a Transformer Engine run."""
-    return TE_BASELINE if BASELINE not in by_variant and TE_BASELINE in by_variant else BASELINE
+    return "te_eager" if "eager" not in results and "te_eager" in results else "eager"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Regenerate ``RESULTS.md`` and the charts of a results directory."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results_dir", nargs="?", default=str(DEFAULT_RESULTS), help="default: benchmarks/results")
-    parser.add_argument("--no-charts", action="store_true", help="write the Markdown only")
-    args = parser.parse_args(argv)
-    try:
-        written = write_report(args.results_dir, charts=not args.no_charts)
-    except FileNotFoundError as err:
-        print(err, file=sys.stderr)
-        return 1
-    for path in written:
-        print(path)
-    return 0
+def reference_of(variant: str) -> str | None:
+    """The hand-written capture a package variant is compared with."""
+    scoped = variant in ("attn", "mlp", "attn+mlp", "layer", "te_layer", "moe_router+preprocess")
+    return "handwritten_layer" if scoped else HANDWRITTEN.get(variant)
 
 
+def env_line(record: dict[str, Any]) -> str:
+    env = record.get("environment") or {}
+    if "device_name" in record:  # the zoo's header
+        env = {"gpu": record["device_name"], **record.get("versions", {}), "date": record.get("date")}
+    return (
+        f"<sub>{env.get('gpu', 'unknown GPU')}, torch {env.get('torch', NA)}, lightning {env.get('lightning', NA)},"
+        f" {env.get('date', NA)}; `{record['file']}`; measured by `{env.get('command') or record.get('command', NA)}`"
+        "</sub>\n"
+    )
+
+
+def report_note(result: dict[str, Any]) -> str:
+    """A variant's note: its failure, rollbacks, why graphs are off, regions left eager."""
+    report = result.get("report") or {}
+    reasons = report.get("rollback_reasons") or []
+    parts = [result.get("note", ""), *(f"rolled back: {r}" for r in reasons)]
+    if not reasons and report.get("reason"):
+        parts.append(f"graphs off: {report['reason']}")
+    if report.get("exclusions"):
+        parts.append("left eager: " + "; ".join(f"{k} ({v})" for k, v in report["exclusions"].items()))
+    return cell("; ".join(filter(None, parts)))
+
+
+# ---------------------------------------------------------------------------------------------------- sections
+def readme_section(records: Sequence[dict[str, Any]], top: Path) -> str:
+    """The one results table of the README: the small GPT in fp32 and bf16-mixed, and the zoo's summary line."""
+    runs = [r for r in of_kind(records, "table", top) if r["config"] == "small" and not r["file"].endswith("_te.json")]
+    if not runs:
+        return ""
+    header = ["variant"]
+    for run in runs:
+        header += [f"{PRECISIONS.get(run['precision'], run['precision'])} ms/step", "vs eager"]
+    rows = []
+    for variant in README_ROWS:
+        row = [label(variant)]
+        for run in runs:
+            results = by_variant(run["results"])
+            row += [num(ms(results, variant)), times(ratio(ms(results, "eager"), ms(results, variant)))]
+        rows.append(row)
+    first = runs[0]
+    text = (
+        "## README table\n\n"
+        f"Small GPT ({first['model']['n_layer']} layers, width {first['model']['width']}, sequence"
+        f" {first['model']['seq_len']}, batch {first['batch_size']}), median ms per step; n/a: not measured in that"
+        f" precision. Sources: {', '.join('`' + r['file'] + '`' for r in runs)}.\n\n" + table(header, rows)
+    )
+    zoo = of_kind(records, "zoo")
+    return text + ("\n" + zoo_summary(zoo[0]) + "\n" if zoo else "")
+
+
+def run_section(run: dict[str, Any], chart: str | None) -> str:
+    """One config and precision of ``benchmarks/run.py``: chart and table."""
+    results = by_variant(run["results"])
+    base = ms(results, baseline(results))
+    title = f"{run['config']}{', Transformer Engine GPT' if run['file'].endswith('_te.json') else ''}"
+    rows = []
+    for r in run["results"]:
+        reference = reference_of(r["variant"])
+        report = r.get("report") or {}
+        rows.append([
+            label(r["variant"]),
+            num(r.get("median_ms"), 3),
+            f"{num(r.get('p25_ms'))}-{num(r.get('p75_ms'))}",
+            times(ratio(base, r.get("median_ms"))),
+            times(ratio(ms(results, reference), r.get("median_ms"))) if reference else "",
+            num(r.get("peak_mib"), 0),
+            num(r.get("pool_mib", report.get("pool_mib")), 0),
+            num(r.get("capture_ms"), 0),
+            num(r.get("final_loss"), 4),
+            report_note(r),
+        ])  # fmt: skip
+    header = ["variant", "ms/step", "p25-p75", "vs eager", "vs hand-written", "peak MiB", "pool MiB", "capture ms"]
+    chart_line = f"![ms/step per variant, {title}, {run['precision']}]({chart})\n\n" if chart else ""
+    return (
+        f"### {title}, {PRECISIONS.get(run['precision'], run['precision'])}, batch {run.get('batch_size')}\n\n"
+        + chart_line
+        + table([*header, "final loss", "note"], rows, "lrrrrrrrrl")
+        + "\n"
+        + env_line(run)
+    )
+
+
+def sweep_section(run: dict[str, Any], chart: str | None) -> str:
+    """A batch-size sweep: speedup over eager per batch size."""
+    variants = list(dict.fromkeys(r["variant"] for r in run["results"]))
+    rows = []
+    for batch in sorted({r["batch_size"] for r in run["results"]}):
+        results = by_variant(run["results"], batch)
+        rows.append([
+            str(batch),
+            *(num(ms(results, v), 3) for v in variants),
+            *(times(ratio(ms(results, "eager"), ms(results, v))) for v in variants if v != "eager"),
+        ])  # fmt: skip
+    header = ["batch", *(f"{v} ms" for v in variants), *(f"{v} vs eager" for v in variants if v != "eager")]
+    chart_line = f"![speedup over eager Lightning vs batch size]({chart})\n\n" if chart else ""
+    title = f"### Batch-size sweep: {run['config']}, {PRECISIONS.get(run['precision'], run['precision'])}\n\n"
+    return title + chart_line + table(header, rows) + "\n" + env_line(run)
+
+
+def auto_section(record: dict[str, Any]) -> str:
+    """``benchmarks/auto.py``: the ladder against every fixed scope, its cost, and each model's ladder."""
+    summary, ladders = [], []
+    both = ("auto-strategy", "auto-callback")
+    for model, measured in record["models"].items():
+        results = by_variant(measured["results"])
+        found = {(e["variant"], e["against"]): e for e in measured["ratios"]}
+        best, scope = found.get((both[0], "best fixed"), {}), found.get((both[1], "best fixed scope"), {})
+        cost = measured.get("cost") or {}
+        climb, whole = (finite(cost.get(key)) for key in ("climb_cost", "cost"))
+        reports = [results.get(v, {}).get("report") or {} for v in both]
+        summary.append([
+            model,
+            f"{times(best.get('ratio'))} (`{best.get('reference')}`)",
+            f"{times(scope.get('ratio'))} (`{scope.get('reference')}`)",
+            " / ".join(times(results.get(v, {}).get("speedup")) for v in both),
+            " / ".join(r.get("level") or "eager" for r in reports),
+            NA if climb is None or whole is None else f"{100 * climb:.1f}% (whole fits {100 * whole:.1f}%)",
+        ])  # fmt: skip
+        rows = [
+            [row["level"], row["status"], num(row.get("step_ms")), num(row.get("capture_ms"), 0), str(row["steps"])]
+            for row in reports[0].get("ladder", [])
+        ]
+        rounds = " / ".join(num(ms) for ms in results.get(both[0], {}).get("round_ms", []))
+        ladders.append(f"Ladder of {label(both[0])} on {model} (ms per round: {rounds}):\n\n" + table(
+            ["level", "status", "ms/step", "capture ms", "steps"], rows, "llrrr"))  # fmt: skip
+    head = ["model", f"{label(both[0])} vs best fixed", f"{label(both[1])} vs best fixed scope"]
+    head += [
+        "auto vs eager (strategy / callback)",
+        "level reached",
+        f"ladder cost, {record.get('cost_steps')}-step fit",
+    ]
+    intro = (
+        f"Every variant trained {record['rounds']} times, alternating round by round, each counted at its fastest"
+        f" round's median over the last {record['timed']} of {record['steps']} steps. Speed ratios are ms of the"
+        " reference over ms of the variant. The ladder cost is the climb's extra wall time to the start of step 100,"
+        " as a share of the fit (the whole fits' difference in brackets).\n\n"
+    )
+    body = intro + table(head, summary, "lrrrlr") + "\n" + "\n".join(ladders)
+    return f"### {PRECISIONS.get(record['precision'])}\n\n{body}\n{env_line(record)}"
+
+
+LIMITS = {
+    "floor": "out of reach by compiling (needs {needed_ms:.2f} ms, floor {floor_ms:.2f})",
+    "kernels": "bounded by the compiled kernels ({kernel_ms:.2f} ms; needs {needed_ms:.2f}, floor {floor_ms:.2f})",
+    "host": "paced by the host ({host_ms:.2f} ms; kernels {kernel_ms:.2f})",
+}
+
+
+def compile_ratio(entry: dict[str, Any] | None) -> str:
+    """A ratio of ``benchmarks/compile.py`` with what limits it where it missed its goal."""
+    if entry is None:
+        return NA
+    text = times(entry.get("ratio"))
+    if entry.get("met"):
+        return f"**{text}**"
+    limit = entry.get("limit")
+    return f"{text}, {LIMITS[limit].format(**entry)}" if limit in LIMITS else text
+
+
+def compile_section(record: dict[str, Any], chart: str | None) -> str:
+    """``benchmarks/compile.py``: compile= inside the graphs against the peers, per model."""
+    rows = []
+    for model, measured in record["models"].items():
+        found = {(e["variant"], e["reference"]): e for e in measured["ratios"]}
+        compiled = by_variant(measured["results"]).get("full_iteration+compile") or {}
+        peers = ("full_iteration", "compile_reduce_overhead", "thunder")
+        rows.append([
+            f"{model} GPT",
+            *(compile_ratio(found.get(("full_iteration+compile", peer))) for peer in peers),
+            compile_ratio(found.get(("layer+compile", "layer"))),
+            num(compiled.get("compile_s"), 1),
+        ])  # fmt: skip
+    head = ["model", "vs `cudagraph_full`", "vs reduce-overhead", "vs Thunder", "`layer` + compile vs `layer`"]
+    chart_line = f"![ms per step, {record['precision']}]({chart})\n\n" if chart else ""
+    intro = (
+        "Speed ratios of `cudagraph_full` + `compile=True` (and `layer` + `compile=True`), each variant at its fastest"
+        f" of {record['rounds']} alternated fits, median over the last {record['timed']} of {record['steps']} steps;"
+        " bold: the goal is met. The floor is the GEMM, attention and optimizer kernels, which `compile=` leaves as"
+        " they are.\n\n"
+    )
+    body = intro + table([*head, "compile s"], rows, "lrrrrr") + "\n" + chart_line
+    return f"### {PRECISIONS.get(record['precision'])}\n\n{body}{env_line(record)}"
+
+
+def hf_section(record: dict[str, Any]) -> str:
+    """``benchmarks/hf.py``: the Hugging Face models per variant."""
+    variants = ["attn", "attn+mlp / moe_router", "layer", "full_iteration"]
+    rows = []
+    for model, measured in record["models"].items():
+        results = measured["results"]
+        eager = by_variant(results).get("eager", {})
+        others = [r for r in results if r["variant"] != "eager"]
+        cells = [
+            times(r.get("speedup")) if not (r.get("report") or {}).get("rollback_reasons") else "rolled back"
+            for r in others
+        ]
+        parity = max((r.get("loss_max_abs_diff") or 0.0 for r in results), default=None)
+        rows.append([f"`{model}`", num(eager.get("median_ms")), *cells, f"<= {num(parity, None)}"])
+    return table(["model", "eager ms", *(f"`{v}`" for v in variants), "loss parity"], rows) + "\n" + env_line(record)
+
+
+def logging_section(record: dict[str, Any]) -> str:
+    """``benchmarks/logging_cost.py``: direct re-issue of logged values against ``self.log`` every step."""
+    rows = [
+        [row["case"], f"{num(row['direct']['ms'], 3)} ({num(row['direct']['host_ms'])})",
+         f"{num(row['self.log']['ms'], 3)} ({num(row['self.log']['host_ms'])})", times(row["ratio"])]
+        for row in record["cases"]
+    ]  # fmt: skip
+    return (
+        table(["case", "direct ms (host ms)", "through `self.log` ms (host ms)", "speedup"], rows)
+        + "\n"
+        + env_line(record)
+    )
+
+
+def shapes_section(record: dict[str, Any]) -> str:
+    """``benchmarks/shapes.py``: bucketed variable lengths against one fixed length."""
+    rows = []
+    for model, results in record["models"].items():
+        for variant in ("layer", "full"):
+            var, fix = results[f"{variant}/variable"], results[f"{variant}/fixed"]
+            speed_var = ratio(results["eager/variable"]["total_ms"], var["total_ms"])
+            speed_fix = ratio(results["eager/fixed"]["total_ms"], fix["total_ms"])
+            rows.append([
+                model, "`layer`" if variant == "layer" else "`cudagraph_full`", times(speed_var), times(speed_fix),
+                num(ratio(speed_var, speed_fix)), f"{num(var['pool_mib'], 0)} / {num(fix['pool_mib'], 0)}",
+                f"{100 * var['replayed_after_skip']:.1f}%",
+                num(max_abs_diff(var["losses"][:20], results["eager/variable"]["losses"][:20]), None),
+            ])  # fmt: skip
+    head = ["model", "variant", "speedup, variable", "speedup, fixed", "ratio", "pool MiB, buckets / one"]
+    intro = f"Buckets {record['buckets']}; fixed length {record['fixed_length']}. Source: `{record['file']}`.\n\n"
+    return intro + table(
+        [*head, "steps replayed after every bucket's capture", "loss diff, 20 steps"], rows, "llrrrrrr"
+    )
+
+
+def audit_section(record: dict[str, Any]) -> str:
+    """``benchmarks/audit_cost.py``: what one audit costs, scaled to the default interval."""
+    rows = [
+        [f"`{r['scope']}`", num(r["plain_s"], 3), f"{num(r['audited_s'], 3)} ({r['audits']})", num(r["per_audit_ms"]),
+         num(r["step_ms"]), f"{100 * r['default_share']:.2f}%"]
+        for r in record["scopes"]
+    ]  # fmt: skip
+    head = ["scope", "fit s, no audits", "fit s, audited (audits)", "ms per audit", "ms per step"]
+    share = f"share of a 1000-step fit at every {record['default_every']} steps"
+    return (
+        f"{record['steps']} steps, an audit every {record['every']}.\n\n"
+        + table([*head, share], rows)
+        + "\n"
+        + env_line(record)
+    )
+
+
+def zoo_summary(record: dict[str, Any]) -> str:
+    """One line: the zoo's runs by class, the range of speedups on graphs, and every run that broke the promise."""
+    runs = [(e["entry"], run) for e in record["entries"] for run in e.get("runs", [])]
+    counts = Counter(run["class"] for _, run in runs)
+    speedups = [run["speedup"] for _, run in runs if run["class"] == "graphs-ok" and run.get("speedup")]
+    broken = [
+        f"{entry} through {run['label']} ({run['class']}, off: {', '.join(run['off'])})"
+        for entry, run in runs
+        if run["class"] in ZOO_FAILURES
+    ]
+    spread = f" at {min(speedups):.2f}-{max(speedups):.2f}x eager" if speedups else ""
+    line = (
+        f"Model zoo: {len(record['entries'])} real models and training patterns, {len(runs)} runs against eager"
+        f" Lightning: {counts['graphs-ok']} on graphs and equal to eager{spread}, {counts['eager-with-reason']} eager"
+        f" with the reason reported, {counts['refused']} refused before training"
+    )
+    line += f"; off eager: {'; '.join(broken)}." if broken else "; none off eager."
+    return f"{line} Source: `{record['file']}`."
+
+
+def zoo_cell(run: dict[str, Any] | None) -> str:
+    """A zoo run's class (bold where it broke the promise) and its speedup."""
+    if run is None:
+        return ""
+    mark = "**" if run["class"] in ZOO_FAILURES else ""
+    return f"{mark}{run['class']}{mark} {times(run.get('speedup'))}"
+
+
+def zoo_section(record: dict[str, Any]) -> str:
+    """``benchmarks/zoo.py``: one row per entry, one cell per package variant (class and speedup)."""
+    runs = [run for entry in record["entries"] for run in entry.get("runs", [])]
+    labels = {run["variant"]: run["label"] for run in runs}
+    rows = []
+    for entry in record["entries"]:
+        found = by_variant(entry.get("runs", []))
+        cells = ["skipped" if "skipped" in entry else zoo_cell(found.get(v)) for v in labels]
+        rows.append([cell(entry["patterns"], 80), *cells])
+    header = ["entry", *(f"`{text}`" for text in labels.values())]
+    return f"{zoo_summary(record)}\n\n{table(header, rows, 'l' * len(header))}\n{env_line(record)}"
+
+
+# ---------------------------------------------------------------------------------------------------- charts
 def _pyplot() -> Any:
     import matplotlib
 
@@ -443,54 +439,187 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
-    path = Path(path)
+def bars(rows: Sequence[tuple[str, float, float, float, float | None]], title: str, path: Path) -> Path:
+    """Horizontal bars of ms/step with p25-p75 whiskers, labelled with the speedup over eager."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
+    positions = range(len(rows))
+    values = [row[1] for row in rows]
+    low = [max(0.0, row[1] - row[2]) for row in rows]
+    high = [max(0.0, row[3] - row[1]) for row in rows]
+    colors = [color(row[0]) for row in rows]
+    ax.barh(positions, values, xerr=[low, high], color=colors, capsize=3)
+    for position, row, above in zip(positions, rows, high, strict=True):
+        if row[4] is not None:
+            ax.text(row[1] + above, position, f"  {row[4]:.2f}x", va="center", fontsize=8)
+    ax.set_yticks(list(positions), [row[0] for row in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("median ms/step (whiskers: p25-p75; labels: speedup over eager Lightning)")
+    ax.set_title(title, fontsize=10)
+    ax.margins(x=0.15)
+    return save(fig, path)
+
+
+def color(variant: str) -> str:
+    """Grey for eager, orange for code without the package, green for compiled, blue for the package."""
+    if variant.endswith("eager"):
+        return "tab:gray"
+    if any(word in variant for word in ("pytorch", "hand", "thunder")):
+        return "tab:orange"
+    return "tab:green" if "compile" in variant else "tab:blue"
+
+
+def bar_rows(results: Sequence[dict[str, Any]]) -> list[tuple[str, float, float, float, float | None]]:
+    found = by_variant(results)
+    base = ms(found, baseline(found))
+    rows = []
+    for r in results:
+        median = finite(r.get("median_ms"))
+        if median is not None:
+            rows.append(
+                (r["variant"], median, r.get("p25_ms") or median, r.get("p75_ms") or median, ratio(base, median))
+            )
+    return rows
+
+
+def sweep_chart(run: dict[str, Any], path: Path) -> Path:
+    """Speedup over eager Lightning vs batch size (log2 axis) for every graph variant of a sweep."""
+    plt = _pyplot()
+    batches = sorted({r["batch_size"] for r in run["results"]})
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for variant in dict.fromkeys(r["variant"] for r in run["results"]):
+        points = [
+            (b, ratio(ms(by_variant(run["results"], b), "eager"), ms(by_variant(run["results"], b), variant)))
+            for b in batches
+        ]
+        points = [(b, s) for b, s in points if s is not None]
+        if variant != "eager" and points:
+            ax.plot(
+                *zip(*points, strict=True), "--" if variant.startswith("pytorch") else "-", marker="o", label=variant
+            )
+    ax.axhline(1.0, color="grey", linewidth=1, label="eager (1.0)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over eager Lightning")
+    ax.set_title(f"Where graphs stop paying: {run['config']}, {PRECISIONS.get(run['precision'])}", fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return save(fig, path)
+
+
+def save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     _pyplot().close(fig)
     return path
 
 
-def _bar_color(variant: str) -> str:
-    if variant == BASELINE:
-        return "tab:gray"
-    if is_handwritten(variant):
-        return "tab:orange"
-    if variant.startswith("compile_"):
-        return "tab:green"
-    return "tab:blue"
+# ---------------------------------------------------------------------------------------------------- the document
+SECTIONS: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
+    "auto": ('`scope="auto"`: the ladder against every fixed scope', "auto.py --steps 160 --timed 60", auto_section),
+    "compile": ("Compiled kernels inside the graphs: `compile=True` against the peers", "compile.py", lambda r: ""),
+    "logging": ("Logged values on replayed steps", "logging_cost.py", logging_section),
+    "hf": ("Hugging Face models", "hf.py", hf_section),
+    "shapes": ("Batches whose shape changes", "shapes.py", shapes_section),
+    "audit": ("The numerics guard: what an audit costs", "audit_cost.py", audit_section),
+    "zoo": ("Real training code: the model zoo", "zoo.py", zoo_section),
+}
 
 
-def _run_order(run: dict[str, Any]) -> tuple[int, int, int, str]:
-    config, precision = run.get("config", ""), run.get("precision", "")
-    config_rank = CONFIG_ORDER.index(config) if config in CONFIG_ORDER else len(CONFIG_ORDER)
-    precision_rank = PRECISION_ORDER.index(precision) if precision in PRECISION_ORDER else len(PRECISION_ORDER)
-    return int(is_sweep(run)), config_rank, precision_rank, run["file"]
+def compile_bars(record: dict[str, Any]) -> list[tuple[str, float, float, float, float | None]]:
+    """The bars of a compile chart: every variant of every model."""
+    models = record["models"].items()
+    return [
+        row for m, got in models for row in bar_rows([{**x, "variant": f"{m} {x['variant']}"} for x in got["results"]])
+    ]
 
 
-def _display_path(path: Path) -> str:
-    resolved = path.resolve()
-    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
+def render(records: list[dict[str, Any]], top: Path, charts: Path | None, markdown: Path) -> tuple[str, list[Path]]:
+    """The whole document and the charts drawn (``charts=None``: none)."""
+    drawn: list[Path] = []
+
+    def chart(name: str, rows: Any, title: str, draw: Callable[..., Path] = bars) -> str | None:
+        if charts is None:
+            return None
+        try:
+            drawn.append(draw(rows, title, charts / name))
+        except ImportError as err:
+            print(f"charts skipped ({err}); `pip install matplotlib` to draw them", file=sys.stderr)
+            return None
+        return os.path.relpath(charts / name, markdown.parent)
+
+    parts = [
+        "# Benchmarks\n",
+        "Generated by `python benchmarks/report.py` from the JSON under `benchmarks/results/`; do not edit by hand."
+        " Host-bound step times move with the host from run to run: compare variants within one run.\n",
+        readme_section(records, top),
+        "## Every way of training the same GPT\n\n`python benchmarks/run.py --suite readme` (each config in one"
+        " process). *vs hand-written*: against the same capture written without the package (`handwritten_layer` for"
+        " scoped variants, `pytorch_full_graph` for the whole step).\n",
+    ]
+    for run in of_kind(records, "table", top):
+        title = f"{run['config']}, {PRECISIONS.get(run['precision'])}"
+        parts.append(run_section(run, chart(f"bars_{Path(run['file']).stem}.png", bar_rows(run["results"]), title)))
+    for run in of_kind(records, "sweep", top):
+        parts.append(
+            sweep_section(run, chart(f"{Path(run['file']).stem}.png", run, "", lambda r, _, p: sweep_chart(r, p)))
+        )
+    later = [r for r in of_kind(records, "table") if r["dir"] != top]
+    if later:
+        parts += ["## Later runs of `benchmarks/run.py`\n", *(run_section(run, None) for run in later)]
+    for kind, (title, command, section) in SECTIONS.items():
+        found = of_kind(records, kind)
+        parts += [f"## {title}\n\n`python benchmarks/{command}`\n"] if found else []
+        for record in found:
+            if kind != "compile":
+                parts.append(section(record))
+                continue
+            name, title = f"compile_{record['precision']}.png", f"compile=, {PRECISIONS.get(record['precision'])}"
+            parts.append(compile_section(record, chart(name, compile_bars(record), title)))
+    return "\n".join(part for part in parts if part), drawn
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+def write(results: Path = RESULTS, markdown: Path | None = None, charts: Path | None = None) -> list[Path]:
+    """Write the document (and the charts, when ``charts`` is given) from the JSON under ``results``.
+
+    Raises:
+        FileNotFoundError: No JSON under ``results``.
+    """
+    records = load(results)
+    if not records:
+        raise FileNotFoundError(f"no results JSON under {results}; run a benchmark with --out {results}")
+    markdown = markdown or results / "RESULTS.md"
+    text, drawn = render(records, results, charts, markdown)
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown.write_text(text)
+    return [markdown, *drawn]
 
 
-def _or(value: float | None, default: float) -> float:
-    return value if _finite(value) else default
+def refresh(out: Path) -> list[Path]:
+    """After a GPU run into ``out``: the docs where ``out`` is the committed results, else ``out/RESULTS.md``."""
+    committed = out.resolve() == RESULTS
+    return write(out, DOCS if committed else None, CHARTS if committed else out)
 
 
-def _number(value: float | None, digits: int) -> str:
-    return f"{value:.{digits}f}" if _finite(value) else MISSING
-
-
-def _spread(low: float | None, high: float | None) -> str:
-    return f"{low:.2f}-{high:.2f}" if _finite(low) and _finite(high) else MISSING
-
-
-def _times(value: float | None) -> str:
-    return MISSING if value is None else f"{value:.2f}x"
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate the docs (default) or a results directory's ``RESULTS.md``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="?", type=Path, help="a results directory (default: the committed ones)")
+    parser.add_argument("--no-charts", action="store_true", help="write the Markdown only")
+    args = parser.parse_args(argv)
+    committed = args.results is None or args.results.resolve() == RESULTS
+    results = RESULTS if committed else args.results
+    markdown = DOCS if committed else results / "RESULTS.md"
+    charts = None if args.no_charts else (CHARTS if committed else results)
+    try:
+        written = write(results, markdown, charts)
+    except FileNotFoundError as err:
+        print(err, file=sys.stderr)
+        return 1
+    print("\n".join(str(path) for path in written))
+    return 0
 
 
 if __name__ == "__main__":

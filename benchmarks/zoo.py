@@ -4,43 +4,14 @@
     PYTHONPATH=. python benchmarks/zoo.py --only llama_clm_collator,gcn_fixed_graphs --variants full
     PYTHONPATH=. python benchmarks/zoo.py --device cpu --capture-backend fake --steps 12 --only lora_llama
 
-Each entry of :mod:`benchmarks.zoo_models` (transformers, timm, torchvision, torchaudio, peft, torch_geometric,
-torchmetrics; HF collators with variable lengths, datasets on the device, schedulers that cycle momentum, metrics in
-``training_step``, accumulation, LoRA, BatchNorm, graph batches, dropout, bf16-mixed) is trained, in this process:
-
-- ``eager``: plain Lightning (the reference), and ``noise``: eager again with the optimizer in the form the whole
-  step runs it (fused, tensor learning rate: the same arithmetic in other kernels), for the noise floor;
-- ``cudagraph``: ``strategy="cudagraph"`` (``CUDAGraphStrategy()``, ``scope="auto"``);
-- ``callback``: ``callbacks=[CUDAGraphCallback()]`` (``scope="auto"``);
-- ``layer``: ``CUDAGraphCallback(scope=["layer"])`` (with ``modules={"layer": ...}`` where an entry's layers have
-  names the built-in patterns do not know, as the package's refusal tells a user to do);
-- ``full``: ``strategy="cudagraph_full"``.
-
-Every fit of an entry starts from the same weights (a deep copy of one state dict) and sees the same batches
-(data made from a fixed seed, loaders ordered by their own generator, ``seed_everything`` before each fit). A run is
-compared with ``eager`` on: the per-batch loss (recorded in ``on_train_batch_end``), the final parameters and
-buffers (largest difference relative to the tensor's largest value), torchmetrics ``metric_state``, a checksum of
-every batch ``training_step`` computed on (written from inside the step, so a replay on the wrong buffers shows) and,
-for a dataset that lives on the device, a checksum of the dataset after the fit (a package that writes into a user's
-batch overwrites it). "Off eager" means beyond ``max(10 x the eager-vs-eager difference, floor)``, the floor 1e-5
-relative in fp32 and 2e-2 in bf16 (``--floor-fp32``, ``--floor-bf16``).
-
-Each run gets one class:
-
-- ``graphs-ok``: ended on graphs (stage CONFIRMING or REPLAYING with graphs alive at the last step), equal to eager;
-- ``graphs-WRONG``: ended on graphs but off eager: the silent failure the zoo hunts;
-- ``eager-with-reason``: ended without graphs, and the report says why (``report.reason`` or a rollback reason);
-- ``eager-SILENT``: ended without graphs and without a reason;
-- ``state-WRONG``: ended without graphs, but parameters, metrics or the dataset differ from eager (a rollback or an
-  eager run that left user state changed);
-- ``refused``: the package raised ``ValueError`` before the first step (a configuration it refuses, with the fix);
-- ``error``: any other exception (recorded; the zoo goes on).
-
-Steady-state speed: the median ms/step of windows of ``--window`` batches over the last ``--timed`` batches, each
-window between two ``torch.cuda.synchronize()`` calls (no per-step host timer: a replayed step returns to the host
-long before the GPU is done). Speedup is eager's ms/step over the run's. Writes ``DIR/zoo.md`` and ``DIR/zoo.json``.
-``--capture-backend fake`` hands the package the CPU test double of ``tests/fake_backend.py`` (graphs are not real:
-for developing the zoo on a CPU, never for a claim about CUDA).
+Each entry of :mod:`benchmarks.zoo_models` is trained ``eager`` (the reference), ``noise`` (eager with the optimizer
+in the whole step's form: the noise floor) and through the package (``cudagraph``, ``callback``, ``layer``,
+``full``), every fit from the same weights on the same batches. A run is compared with eager on the per-batch loss,
+the final parameters and buffers, torchmetrics states, a checksum of every batch ``training_step`` saw and, for a
+dataset on the device, the dataset after the fit. "Off eager" is beyond ``max(10 x eager-vs-eager, floor)``. Each
+run gets one class of :data:`CLASSES`; the exit code is 1 when a run has one of :data:`FAILURES`. Speed: the median
+ms per step of windows of ``--window`` batches between two device syncs, over the last ``--timed`` batches.
+``--capture-backend fake`` hands the package the CPU test double (for developing the zoo, never for a CUDA claim).
 """
 
 from __future__ import annotations
@@ -74,6 +45,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from benchmarks import report
 from benchmarks.zoo_models import BuildContext, Entry, ZooModule, checksum, entries_named, missing_libraries
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 
@@ -680,68 +652,6 @@ def _graph_note(report: Mapping[str, Any]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------- output
-def markdown(records: Sequence[Mapping[str, Any]], variants: Sequence[str], header: Mapping[str, Any]) -> str:
-    """The zoo's tables: a matrix of classes, the counts, and one row per run."""
-    lines = [
-        "# Model zoo: the package against eager Lightning",
-        "",
-        f"{header.get('device_name', '')}; torch {header['versions'].get('torch')}, lightning "
-        f"{header['versions'].get('lightning')}; `{header['command']}`; {header['date']}, commit {header['commit']}.",
-        f"Capture backend: {header['capture_backend']}. Off eager: beyond max({NOISE_FACTOR:g} x eager-vs-eager, "
-        f"floor {header['floor_fp32']:g} fp32 / {header['floor_bf16']:g} bf16), relative.",
-        "",
-        "| entry | " + " | ".join(VARIANTS[v] for v in variants) + " |",
-        "| --- | " + " | ".join("---" for _ in variants) + " |",
-    ]
-    counts = dict.fromkeys(CLASSES, 0)
-    for record in records:
-        if "skipped" in record:
-            lines.append(f"| {record['entry']} | " + " | ".join("skipped" for _ in variants) + " |")
-            continue
-        runs = {run["variant"]: run for run in record["runs"]}
-        cells = []
-        for variant in variants:
-            run = runs.get(variant)
-            if run is None:
-                cells.append("")
-                continue
-            counts[run["class"]] += 1
-            bold = "**" if run["class"] in FAILURES else ""
-            cells.append(f"{bold}{run['class']}{bold} {_fmt(run['speedup'], 'x')}")
-        lines.append(f"| {record['entry']} | " + " | ".join(cells) + " |")
-    lines += ["", "Runs by class: " + ", ".join(f"{name} {count}" for name, count in counts.items()), ""]
-    lines += [
-        "| entry | variant | class | speedup | ms/step | loss err | param err | tol (loss, param) | reason or note |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
-    ]
-    for record in records:
-        if "skipped" in record:
-            lines.append(f"| {record['entry']} | | skipped | | | | | | {_cell(record['skipped'])} |")
-            continue
-        tol = record["tolerance"]
-        accumulate = f", accumulate {record['accumulate']}" if record["accumulate"] > 1 else ""
-        lines.append(
-            f"| {record['entry']} | eager | reference | 1.00x | {_fmt(record['eager_ms'])} | | | "
-            f"{_fmt(tol['loss'])}, {_fmt(tol['params'])} | {record['steps']} steps, {record['precision']}"
-            f"{accumulate}, {record['elapsed_s']} s |"
-        )
-        for run in record["runs"]:
-            extra = [f"off: {', '.join(run['off'])}"] if run["off"] else []
-            if run["batch_mismatches"]:
-                extra.append(f"{run['batch_mismatches']} batches differ from #{run['first_bad_batch']}")
-            if run["dataset_changed"]:
-                extra.append("dataset overwritten")
-            if run["rng_broken"]:
-                extra.append(f"CUDA RNG left unusable ({run['rng_broken']})")
-            note = "; ".join([*extra, run["reason"] or ""]).strip("; ")
-            lines.append(
-                f"| {record['entry']} | {run['variant']} | {run['class']} | {_fmt(run['speedup'], 'x')} | "
-                f"{_fmt(run['ms_per_step'])} | {_fmt(run['loss_err'])} | {_fmt(run['param_err'])} | | {_cell(note)} |"
-            )
-    lines += ["", "Entries: " + "; ".join(f"`{r['entry']}`: {r['patterns']}" for r in records), ""]
-    return "\n".join(lines)
-
-
 def header_for(settings: Settings, command: str) -> dict[str, Any]:
     """Versions, device, date, commit and options of this run."""
     versions = {}
@@ -781,10 +691,6 @@ def _fmt(value: float | None, suffix: str = "") -> str:
     if value == 0:
         return "0"
     return f"{value:.3g}" if abs(value) >= 1e-3 else f"{value:.1e}"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:240]
 
 
 def _finite(value: float) -> float | None:
@@ -875,13 +781,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             lost = f"CUDA unusable after {entry.name} ({why}); rerun with --only {','.join(rest)}"
             print(f"[zoo] {lost}", flush=True)
     header["elapsed_s"] = round(time.perf_counter() - started, 1)
-    text = markdown(records, variants, header)
-    print(text)
+    print(report.zoo_section({**header, "kind": "zoo", "entries": records, "file": "zoo.json"}))
     print(f"[zoo] total {header['elapsed_s']} s", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "zoo.md").write_text(text + f"\nTotal wall time: {header['elapsed_s']} s.\n")
-        (args.out / "zoo.json").write_text(json.dumps({**header, "entries": records}, indent=1, default=str))
+        (args.out / "zoo.json").write_text(
+            json.dumps({**header, "kind": "zoo", "entries": records}, indent=1, default=str)
+        )
+        print("\n".join(f"wrote {path}" for path in report.refresh(args.out)))
     failed = any(run["class"] in FAILURES for record in records for run in record.get("runs", []))
     return 1 if failed else 0
 

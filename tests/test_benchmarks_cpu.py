@@ -1,272 +1,275 @@
-"""The benchmark suite's CPU-side parts: plans, argument checks, JSON records, the report and its charts."""
+"""The benchmark harness on a CPU: command lines, figures, alternated rounds, JSON records, the docs and charts."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
 
-from benchmarks import report, run
-from benchmarks.variants import CONFIGS, MOE_VARIANTS, SCOPE_VARIANTS, TE_SKIPPED, Result, failure_note, module_class
+from benchmarks import audit_cost, auto, compile, hf, logging_cost, report, run, shapes, zoo
+from benchmarks.core import figures, records, timing
+from benchmarks.core.kernels import kernel_class, kernel_summary
+from benchmarks.core.models import CONFIGS, KNOWN_VARIANTS, SCOPES, setup, train
+from lightning_cudagraph import CUDAGraphStrategy
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {
-    "gpu": "Synthetic GPU",
-    "torch": "0.0",
-    "cuda": "0.0",
-    "lightning": "0.0",
-    "python": "3",
-    "date": "2000-01-01",
-    "command": "python benchmarks/run.py --suite readme",
-}
-
-# Per-variant step times (ms) of the synthetic runs: a host-bound small config and a compute-bound medium one.
-SMALL_MS = {
-    "eager": [9.8, 10.0, 10.2, 10.1],
-    "layer": [4.9, 5.0, 5.1, 5.0],
-    "handwritten_layer": [4.4, 4.5, 4.6, 4.5],
-    "full_iteration": [2.4, 2.5, 2.6, 2.5],
-    "pytorch_full_graph": [1.9, 2.0, 2.1, 2.0],
-    "compile_default": [8.0, 8.1, 8.2, 8.1],
-}
-MEDIUM_MS = {
-    "eager": [65.0, 65.2, 65.4],
-    "layer": [64.6, 64.8, 65.0],
-    "full_iteration": [63.8, 64.0, 64.2],
-    "pytorch_full_graph": [63.6, 63.8, 64.0],
-}
-SWEEP_BATCHES = (1, 4, 16, 64)
+ENV = {"gpu": "Synthetic GPU", "torch": "0", "lightning": "0", "date": "2000-01-01", "command": "run.py"}
 
 
-def sweep_ms(variant: str, batch: int) -> list[float]:
-    """Graphs pay at small batches and stop paying once the GPU work dominates."""
-    floor = {"eager": 10.0, "layer": 5.0, "full_iteration": 2.5, "pytorch_full_graph": 2.0}[variant]
-    compute = 0.5 * batch
-    return [max(floor, compute) + jitter for jitter in (-0.01, 0.0, 0.01)]
+def fit(variant: str, ms: list[float], batch: int = 8) -> dict:
+    return {"variant": variant, "batch_size": batch, **figures.spread(ms), "peak_mib": 100.0, "final_loss": 1.5}
 
 
-def result(variant: str, step_ms: list[float], **fields) -> Result:
-    return Result(variant, list(step_ms), peak_mib=100.0, final_loss=1.5, **fields)
+def write_run(out: Path, config: str, precision: str, results: list[dict], kind: str = "table") -> Path:
+    record = {"kind": kind, "config": config, "precision": precision, "batch_size": 8, "environment": ENV}
+    record.update(model={"n_layer": 6, "width": 256, "seq_len": 128}, results=results)
+    stem = f"{'sweep_batch_' if kind == 'sweep' else ''}{config}_{precision}"
+    return records.write(record, out / f"{stem}.json")
 
 
-def write_synthetic(out: Path) -> dict[str, dict]:
-    """Write two runs and a sweep into ``out`` exactly as run.py does; return the records by config."""
-    small = [run.as_dict(result(v, ms), 8) for v, ms in SMALL_MS.items()]
-    small.append(run.as_dict(Result("te_layer", note=TE_SKIPPED), 8))
-    medium = [run.as_dict(result(v, ms), 8) for v, ms in MEDIUM_MS.items()]
-    sweep_spec = run.SweepSpec("small", "32-true", batch_sizes=SWEEP_BATCHES)
-    sweep = [run.as_dict(result(v, sweep_ms(v, b)), b) for b in SWEEP_BATCHES for v in sweep_spec.variants]
-    records = {
-        "small": run.make_record(run.RunSpec("small", "32-true", tuple(SMALL_MS)), ENV, small, 1.0),
-        "medium": run.make_record(run.RunSpec("medium", "32-true", tuple(MEDIUM_MS), 30, 10), ENV, medium, 1.0),
-        "sweep": run.make_record(sweep_spec, ENV, sweep, 1.0),
-    }
-    for record in records.values():
-        run.write_record(record, out)
-    return records
-
-
-def median(values: list[float]) -> float:
-    return Result("x", values).median_ms
-
-
-def row_of(markdown: str, variant: str) -> list[str]:
-    line = next(line for line in markdown.splitlines() if line.startswith(f"| {variant} |"))
+def cells(markdown: str, start: str) -> list[str]:
+    line = next(line for line in markdown.splitlines() if line.startswith(f"| {start} |"))
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
-@pytest.fixture
-def results_dir(tmp_path: Path) -> Path:
-    write_synthetic(tmp_path)
-    return tmp_path
+# ---------------------------------------------------------------------------------------------------- figures
+def test_spread_quantiles_and_ratios():
+    assert figures.spread([4.0, 1.0, 3.0, 2.0]) == {"median_ms": 2.5, "p25_ms": 1.75, "p75_ms": 3.25, "steps_timed": 4}
+    assert figures.spread([])["median_ms"] is None, "no steps timed is no figure, not NaN in the JSON"
+    assert figures.ratio(10.0, 4.0) == 2.5
+    assert figures.ratio(None, 4.0) is None and figures.ratio(10.0, 0.0) is None
 
 
-def test_records_are_strict_json_with_environment(results_dir):
-    small = json.loads((results_dir / "small_32-true.json").read_text())
-    assert small["environment"]["command"] == ENV["command"]
-    assert {"gpu", "torch", "lightning", "date"} <= small["environment"].keys()
-    te = next(r for r in small["results"] if r["variant"] == "te_layer")
-    assert te["median_ms"] is None  # a skipped variant's NaN figures are written as null
-    assert (results_dir / "sweep_batch_small_32-true.json").exists()
+def test_relative_figures_against_eager():
+    results = [{"variant": "eager", "median_ms": 10.0}, {"variant": "layer", "median_ms": 4.0}]
+    figures.add_relative(results, {"eager": [2.0, 1.0], "layer": [2.0, 1.25]})
+    assert results[1]["speedup"] == 2.5 and results[1]["loss_max_abs_diff"] == 0.25
+    assert results[0]["speedup"] == 1.0
 
 
-def test_table_ratios_come_from_the_data(results_dir):
-    runs = {r["file"]: r for r in report.load_runs(results_dir)}
-    table = report.table_markdown(runs["small_32-true.json"])
-    header = table.splitlines()[0]
-    assert "vs eager Lightning" in header
-    assert "vs hand-written" in header
-    columns = [c.strip() for c in header.strip("|").split("|")]
-    layer = dict(zip(columns, row_of(table, "layer"), strict=True))
-    eager_ms, layer_ms = median(SMALL_MS["eager"]), median(SMALL_MS["layer"])
-    assert layer["vs eager Lightning"] == f"{eager_ms / layer_ms:.2f}x"
-    assert layer["vs hand-written"] == f"{median(SMALL_MS['handwritten_layer']) / layer_ms:.2f}x"
-    full = dict(zip(columns, row_of(table, "full_iteration"), strict=True))
-    expected = median(SMALL_MS["pytorch_full_graph"]) / median(SMALL_MS["full_iteration"])
-    assert full["vs hand-written"] == f"{expected:.2f}x"
-    te = dict(zip(columns, row_of(table, "te_layer"), strict=True))
-    assert te["median ms/step"] == report.MISSING
-    assert te["note"] == TE_SKIPPED
+def test_variants_alternate_round_by_round_and_each_counts_its_fastest():
+    order, lines = [], []
+    times = iter([5.0, 9.0, 4.0, 8.0])
+
+    def measure(variant: str) -> dict:
+        order.append(variant)
+        return {"variant": variant, "median_ms": next(times), "compile_s": len(order)}
+
+    got = timing.alternate(["a", "b"], 2, measure, say=lines.append, cold=["compile_s"])
+    assert order == ["a", "b", "a", "b"], "rounds alternate, so a slow stretch of the host hits every variant"
+    assert [(r["median_ms"], r["round_ms"]) for r in got] == [(4.0, [5.0, 4.0]), (8.0, [9.0, 8.0])]
+    assert [r["compile_s"] for r in got] == [1, 2], "compile times come from the first, cold, round"
+    assert len(lines) == 4 and "[2]" in lines[2]
 
 
-def test_verdicts_follow_the_data(results_dir):
-    runs = {r["file"]: r for r in report.load_runs(results_dir)}
-    small, medium = runs["small_32-true.json"], runs["medium_32-true.json"]
-    best = median(SMALL_MS["eager"]) / median(SMALL_MS["pytorch_full_graph"])
-    assert report.verdict(small).startswith("host-bound")
-    assert f"`pytorch_full_graph`: {best:.2f}x" in report.verdict(small)
-    assert report.verdict(medium).startswith("compute-bound: graphs gain <5%")
-    # the same table judged against a lower bar is no longer compute-bound: the verdict is computed, not fixed
-    assert report.verdict(medium, threshold=1.01).startswith("host-bound")
+def test_a_failing_variant_is_noted_and_the_others_still_measured():
+    def measure(variant: str) -> dict:
+        if variant == "bad":
+            raise RuntimeError("boom")
+        return {"variant": variant, "median_ms": 1.0}
+
+    bad, good = timing.alternate(["bad", "good"], 1, measure, say=lambda line: None)
+    assert bad["median_ms"] is None and bad["note"] == "failed: RuntimeError: boom"
+    assert good["median_ms"] == 1.0
 
 
-def test_sweep_verdict_finds_where_graphs_stop_paying(results_dir):
-    sweep = next(r for r in report.load_runs(results_dir) if report.is_sweep(r))
-    assert report.sweep_batch_sizes(sweep) == list(SWEEP_BATCHES)
-    speedups = [median(sweep_ms("eager", b)) / median(sweep_ms("layer", b)) for b in SWEEP_BATCHES]
-    first_below = next(b for b, s in zip(SWEEP_BATCHES, speedups, strict=True) if s < report.GAIN_THRESHOLD)
-    assert f"`layer` stops paying (<{report.GAIN_THRESHOLD:.2f}x) at batch {first_below}" in report.sweep_verdict(sweep)
-    assert report.pays_until([1, 2], [2.0, 1.5]) == "pays at every batch size measured (up to 2)"
+def test_kernels_are_classed_and_the_floor_is_what_compile_leaves():
+    assert kernel_class("nvjet_sm90_tst_64x48") == "gemm" and kernel_class("multi_tensor_apply_kernel") == "optimizer"
+    summary = kernel_summary([("nvjet_gemm", 300.0), ("fmha_fwd", 100.0), ("triton_poi_fused", 200.0)], steps=2)
+    assert (summary["kernel_ms"], summary["floor_ms"], summary["kernels"]) == (0.3, 0.2, 1.5)
+    with pytest.raises(ValueError, match="at least 1"):
+        kernel_summary([], steps=0)
 
 
-def test_report_cli_writes_markdown_and_charts(results_dir, capsys):
-    assert report.main([str(results_dir)]) == 0
-    markdown = (results_dir / report.RESULTS_FILE).read_text()
-    assert "vs eager Lightning" in markdown
-    assert "vs hand-written" in markdown
-    assert markdown.count("**Verdict:**") == 3
-    assert "compute-bound" in markdown
-    assert f"python benchmarks/report.py {results_dir}" in markdown
-    assert ENV["command"] in markdown
-    charts = sorted(results_dir.glob("*.png"))
-    assert [c.name for c in charts] == [
-        "bars_medium_32-true.png",
-        "bars_small_32-true.png",
-        "sweep_batch_small_32-true.png",
-    ]
-    for chart in charts:
-        assert chart.read_bytes().startswith(b"\x89PNG")
-        assert f"]({chart.name})" in markdown
-    assert str(results_dir / report.RESULTS_FILE) in capsys.readouterr().out
+# ---------------------------------------------------------------------------------------------------- variants
+@pytest.mark.parametrize(
+    ("variant", "options", "strategy"),
+    [
+        ("eager", None, "auto"),
+        ("attn+mlp", {"scope": ["attn", "mlp"], "warmup_steps": 3}, "auto"),
+        ("layer+compile", {"scope": ["layer"], "warmup_steps": 3, "compile": True}, "auto"),
+        ("auto-callback", {}, "auto"),
+        ("auto-strategy", None, "cudagraph"),
+    ],
+)
+def test_each_variant_trains_as_a_user_writes_it(variant, options, strategy):
+    assert setup(variant) == (options, strategy)
 
 
-def test_report_cli_without_results(tmp_path):
-    assert report.main([str(tmp_path)]) == 1
+def test_the_whole_step_variant_is_a_cudagraph_strategy_and_unknown_ones_are_refused():
+    options, strategy = setup("full_iteration+compile")
+    assert options is None and isinstance(strategy, CUDAGraphStrategy)
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        setup("nope")
+    with pytest.raises(ValueError, match="only a fixed scope or the whole step"):
+        setup("eager+compile")
 
 
-def test_run_says_it_needs_cuda():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--suite", "readme"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2
-    assert "needs a CUDA GPU" in done.stdout
+def test_the_plain_loops_and_every_scope_are_known_variants():
+    assert {"pytorch_full_graph", "handwritten_layer", *SCOPES} <= set(KNOWN_VARIANTS)
+    assert "experts" in CONFIGS["moe"]
+
+
+def test_a_te_variant_without_transformer_engine_is_skipped_with_its_note():
+    pytest.importorskip("examples.gpt")
+    if __import__("importlib").util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    assert train("small", "te_layer", "32-true", 4, 1)["note"] == "skipped: Transformer Engine not installed"
+
+
+# ---------------------------------------------------------------------------------------------------- command lines
+def test_run_plans_one_config_a_sweep_and_the_suite():
+    _, (spec,) = run.parse_args(["--config", "small", "--out", "x"])
+    assert spec.variants == run.DEFAULT and (spec.steps, spec.skip, spec.rounds) == (80, 20, 1)
+    assert spec.stem == "small_32-true"
+    _, (sweep,) = run.parse_args(["--sweep", "batch", "--batch-sizes", "1,8"])
+    assert sweep.batch_sizes == (1, 8) and sweep.stem == "sweep_batch_small_32-true"
+    _, (moe,) = run.parse_args(["--config", "moe"])
+    assert moe.variants == run.MOE
+    _, plan = run.parse_args(["--suite", "readme"])
+    stems = [spec.stem for spec in plan]
+    assert {"small_32-true", "small_bf16-mixed", "small_bf16-mixed_te", "sweep_batch_small_32-true"} <= set(stems)
 
 
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "message"),
     [
-        ["--variants", "eager,nope"],
-        ["--suite", "readme", "--steps", "5"],
-        ["--batch-sizes", "1,2"],
-        ["--sweep", "batch", "--batch-sizes", "1,x"],
-        ["--steps", "10", "--skip", "10"],
+        (["--suite", "readme", "--config", "small"], "--suite fixes"),
+        (["--batch-sizes", "1,2"], "goes with --sweep"),
+        (["--sweep", "batch", "--batch-sizes", "1,x"], "positive integers"),
+        (["--skip", "80"], "--skip must be"),
+        (["--variants", "eager,nope"], "unknown nope"),
     ],
 )
-def test_bad_arguments_exit_2(argv):
+def test_run_refuses_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run.parse_args(argv)
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_plans():
-    assert run.build_plan(run.parse_args(["--config", "moe"]))[0].variants == MOE_VARIANTS
-    sweep = run.build_plan(run.parse_args(["--sweep", "batch", "--batch-sizes", "2,8", "--steps", "30"]))[0]
-    assert (sweep.batch_sizes, sweep.steps, sweep.variants) == ((2, 8), 30, run.SWEEP_VARIANTS)
-    plan = run.readme_plan(te=False)
-    assert all(set(spec.variants) <= run.KNOWN_VARIANTS for spec in plan)
-    assert "te_layer" not in plan[0].variants
-    te_plan = run.readme_plan(te=True)
-    assert [(s.precision, s.variants) for s in te_plan[:2]] == [
-        ("bf16-mixed", run.TE_VARIANTS),
-        ("transformer-engine", run.TE_VARIANTS),
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        (auto, ["--out", "x", "--timed", "300"], "--timed must be"),
+        (auto, ["--out", "x", "--models", "gpt,bert"], "unknown bert"),
+        (compile, ["--out", "x", "--precisions", "fp8"], "unknown fp8"),
+        (compile, ["--out", "x", "--rounds", "0"], "--rounds must be"),
+        (hf, ["--out", "x", "--skip", "100"], "--skip must be"),
+        (logging_cost, ["--out", "x", "--timed", "200"], "--timed must be"),
+    ],
+)
+def test_the_other_scripts_refuse_bad_arguments(module, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        module.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", [run, auto, compile, hf, logging_cost, shapes, audit_cost, zoo])
+def test_each_gpu_script_says_it_needs_cuda_and_exits_2(module, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    argv = [] if module in (run, zoo) else ["--out", str(tmp_path)]
+    assert module.main(argv) == 2
+    said = capsys.readouterr()
+    assert "needs a CUDA GPU" in said.out or "no CUDA device" in said.err
+
+
+# ---------------------------------------------------------------------------------------------------- the ratios
+def test_auto_ratios_against_the_best_fixed_variants_eager_and_rollbacks():
+    results = [
+        {"variant": v, "median_ms": ms} for v, ms in [("eager", 30.0), ("attn", 20.0), ("attn+moe_router", 18.0)]
     ]
-    assert plan[0].variants[-2:] == run.COMPILE_VARIANTS
-    assert [(s.config, s.precision) for s in plan[:6]] == [
-        ("small", "32-true"),
-        ("small", "bf16-mixed"),
-        ("medium", "32-true"),
-        ("medium", "bf16-mixed"),
-        ("moe", "32-true"),
-        ("moe", "bf16-mixed"),
-    ]
-    assert plan[0].repeat > 1  # the small-config comparisons are measured round robin
-    assert isinstance(plan[-1], run.SweepSpec)
+    results += [{"variant": "layer", "median_ms": 29.0, "report": {"rollbacks": 1}}, {"variant": "full_iteration"}]
+    results += [{"variant": "auto-strategy", "median_ms": 20.0}, {"variant": "auto-callback", "median_ms": 18.0}]
+    results[4]["median_ms"] = None
+    found = {(e["variant"], e["against"], e["reference"]): e for e in auto.ratios("qwen3_moe", results)}
+    assert found["auto-strategy", "best fixed", "attn+moe_router"]["ratio"] == pytest.approx(0.9)
+    assert found["auto-callback", "eager", "eager"]["met"] is True
+    assert ("auto-strategy", "rolled back", "layer") in found
 
 
-def test_every_scoped_variant_has_a_handwritten_reference():
-    for variant in SCOPE_VARIANTS:
-        assert report.handwritten_reference(variant) == "handwritten_layer"
-    assert report.handwritten_reference("full_iteration") == "pytorch_full_graph"
+def test_the_ladder_cost_is_measured_against_the_fixed_variant_at_its_level():
+    narrowed = {"level": "layer", "exclusions": {"layers.0": f"experts: {auto.PARTS_INSTEAD}"}}
+    assert auto.fixed_variant_for("qwen3_moe", narrowed) == "attn+moe_router"
+    assert auto.fixed_variant_for("gpt", {"level": "full_iteration"}) == "full_iteration"
+    assert auto.fixed_variant_for("gpt", {"level": None}) == "eager"
 
 
-def test_moe_config_builds_the_moe_model_and_its_scopes_resolve():
-    from benchmarks import variants
-    from lightning_cudagraph.scopes import resolve_scopes
-
-    config = {**CONFIGS["moe"], "n_layer": 2, "width": 32, "heads": 2, "vocab_size": 64, "seq_len": 16}
-    cls = module_class(config)
-    assert cls is variants.MoEGPTModule
-    from benchmarks.variants import model_args
-
-    model = cls(**model_args(config))
-    assert model.hparams.experts == CONFIGS["moe"]["experts"]
-    resolution = resolve_scopes(model, SCOPE_VARIANTS["moe_router+preprocess"])
-    assert len(resolution.targets) == 2 * config["n_layer"]
-
-
-def test_te_layer_is_skipped_without_transformer_engine():
-    from benchmarks.variants import te_available
-
-    if te_available():
-        pytest.skip("Transformer Engine is installed here")
-    with pytest.raises(ImportError) as err:
-        module_class(CONFIGS["small"], "te_layer")
-    assert failure_note("te_layer", err.value) == TE_SKIPPED
-    assert failure_note("layer", RuntimeError("boom")).startswith("failed: RuntimeError")
+def test_a_missed_compile_goal_names_the_hardest_limit():
+    assert compile.limit_of(needed=1.0, floor=1.2, kernel=1.5, host=2.0) == "floor"
+    assert compile.limit_of(needed=1.0, floor=0.5, kernel=1.2, host=0.8) == "kernels"
+    assert compile.limit_of(needed=1.0, floor=0.5, kernel=0.8, host=1.5) == "host"
+    results = [
+        {"variant": "full_iteration", "median_ms": 2.0},
+        {"variant": "full_iteration+compile", "median_ms": 1.9, "host_ms": 1.0, "kernels": {"kernel_ms": 1.8, "floor_ms": 1.0}},
+    ]  # fmt: skip
+    (entry, *_) = compile.ratios(results, "32-true")
+    assert (
+        entry["met"] is False
+        and entry["limit"] == "kernels"
+        and entry["needed_ms"] == pytest.approx(2.0 / 1.3, abs=1e-4)
+    )
 
 
-def test_transformer_engine_runs_get_their_own_file():
-    from benchmarks.run import record_name
-
-    plain = {"kind": "run", "config": "small", "precision": "bf16-mixed", "results": [{"variant": "eager"}]}
-    te = {**plain, "results": [{"variant": "te_eager"}, {"variant": "te_layer"}]}
-    assert record_name(plain) == "small_bf16-mixed.json"
-    assert record_name(te) == "small_bf16-mixed_te.json"
+def test_shapes_data_is_grouped_by_length_and_padded():
+    variable, fixed = shapes.samples(16, None), shapes.samples(16, 256)
+    assert len({len(x) for x, _ in variable}) > 1 and {len(x) for x, _ in fixed} == {256}
+    assert all((y == -100).any() or len(y) == 256 for _, y in fixed)
 
 
-def test_rounds_of_one_variant_are_pooled():
-    from benchmarks.variants import Result
-
-    merged = run.merge_rounds(Result("layer", [5.0, 6.0], peak_mib=300.0), Result("layer", [7.0], peak_mib=280.0))
-    assert merged.step_ms == [5.0, 6.0, 7.0]
-    assert merged.peak_mib == 300.0
-    assert merged.median_ms == 6.0
+def test_audit_cost_scales_one_audit_to_the_default_interval():
+    assert audit_cost.DEFAULT_EVERY == 1000
 
 
-def test_transformer_engine_runs_get_their_own_chart():
-    from benchmarks.report import chart_name
+# ---------------------------------------------------------------------------------------------------- the report
+def test_records_are_strict_json(tmp_path):
+    with pytest.raises(ValueError):
+        records.write({"x": float("nan")}, tmp_path / "bad.json")
+    path = records.write({"kind": "table", "x": None}, tmp_path / "ok.json")
+    assert json.loads(path.read_text()) == {"schema": records.SCHEMA_VERSION, "kind": "table", "x": None}
 
-    plain = {"kind": "run", "config": "small", "precision": "bf16-mixed", "results": [{"variant": "eager"}]}
-    te = {**plain, "results": [{"variant": "te_eager"}, {"variant": "te_layer"}]}
-    assert chart_name(plain) != chart_name(te)
+
+def test_the_report_computes_every_ratio_from_the_json(tmp_path):
+    small = [fit("eager", [10.0, 10.0]), fit("layer", [4.0, 4.0]), fit("handwritten_layer", [5.0, 5.0])]
+    write_run(tmp_path, "small", "32-true", [*small, fit("full_iteration", [2.5]), fit("pytorch_full_graph", [2.0])])
+    write_run(tmp_path, "small", "bf16-mixed", [fit("eager", [8.0]), fit("full_iteration", [1.0])])
+    sweep = [fit(v, [ms], batch) for batch, ms in ((1, 2.0), (64, 9.0)) for v in ("layer",)]
+    write_run(tmp_path, "small", "32-true", [fit("eager", [10.0], 1), fit("eager", [10.0], 64), *sweep], "sweep")
+    written = report.write(tmp_path, tmp_path / "docs.md", tmp_path / "charts")
+    text = (tmp_path / "docs.md").read_text()
+    assert cells(text, '`scope=["layer"]`')[:5] == ['`scope=["layer"]`', "4.00", "2.50x", "n/a", "n/a"]
+    assert cells(text, '`strategy="cudagraph_full"`')[1:5] == ["2.50", "4.00x", "1.00", "8.00x"]
+    assert cells(text, '`scope=["layer"]`' + " | 4.000")[4] == "1.25x", "vs the hand-written block capture"
+    assert "| 64 | 10.000 | 9.000 | 1.11x |" in text, "the sweep divides eager by the variant at each batch size"
+    assert all(path.exists() for path in written) and len(list((tmp_path / "charts").glob("*.png"))) == 3
+    assert re.search(r"!\[[^]]*\]\(charts/bars_small_32-true\.png\)", text), "chart links are relative to the doc"
+
+
+def test_the_report_without_json_says_so(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 1
+    assert "no results JSON" in capsys.readouterr().err
+
+
+def test_the_committed_results_give_every_docs_section(tmp_path):
+    text, drawn = report.render(report.load(report.RESULTS), report.RESULTS, None, tmp_path / "benchmarks.md")
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings[0] == "## README table" and len(headings) == 10, headings
+    zoo = json.loads((report.RESULTS / "zoo" / "zoo.json").read_text())
+    runs = [run for entry in zoo["entries"] for run in entry["runs"]]
+    ok = sum(run["class"] == "graphs-ok" for run in runs)
+    assert f"{len(runs)} runs against eager Lightning: {ok} on graphs" in text
+    small = json.loads((report.RESULTS / "small_32-true.json").read_text())
+    eager, whole = (
+        next(r["median_ms"] for r in small["results"] if r["variant"] == v) for v in ("eager", "full_iteration")
+    )
+    assert f"| {whole:.2f} | {eager / whole:.2f}x |" in text
+    assert drawn == []
+
+
+def test_the_committed_docs_are_up_to_date(tmp_path):
+    report.write(report.RESULTS, tmp_path / "benchmarks.md", None)
+    generated = (tmp_path / "benchmarks.md").read_text()
+    committed = report.DOCS.read_text()
+    strip = lambda text: re.sub(r"!\[[^]]*\]\([^)]*\)\n\n", "", text)  # noqa: E731 (charts are not drawn here)
+    assert strip(generated) == strip(committed), "run `python benchmarks/report.py` and commit docs/benchmarks.md"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from benchmarks import zoo
+from benchmarks import report, zoo
 from benchmarks.zoo_models import ENTRIES, batch_tensors, checksum, entries_named
 from tests.fake_backend import FakeBackend, FakeRegion
 
@@ -101,5 +101,7 @@ def test_one_entry_end_to_end_flags_a_wrong_graph_and_passes_a_right_one(monkeyp
     (run,) = wrong["runs"]
     assert run["class"] == "graphs-WRONG", run
     assert "loss" in run["off"] and "params" in run["off"]
-    markdown = zoo.markdown([right, wrong], ["layer"], zoo.header_for(CPU_FAKE, "test"))
-    assert "| device_tensordataset | **graphs-WRONG**" in markdown
+    record = {**zoo.header_for(CPU_FAKE, "test"), "entries": [right, wrong], "file": "zoo.json"}
+    markdown = report.zoo_section(record)
+    assert "**graphs-WRONG**" in markdown and "graphs-ok" in markdown
+    assert "off eager: device_tensordataset" in report.zoo_summary(record)

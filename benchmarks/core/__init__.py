@@ -1,0 +1,1 @@
+"""The benchmark harness: models and variants, timing in alternated rounds, figures, JSON records."""
