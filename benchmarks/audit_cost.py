@@ -53,10 +53,12 @@ def fit(config: str, scope: str, every: int, steps: int) -> tuple[float, int]:
     module, data = build(config)
     clock = LoopClock()
     options: dict[str, Any] = {"warmup_steps": 3, "audit_every_n_steps": every}
+    strategy: Any = "auto"
+    callbacks: list[pl.Callback] = [clock]
     if scope == "full_iteration":
-        strategy, callbacks = CUDAGraphStrategy(scope=["full_iteration"], **options), [clock]
+        strategy = CUDAGraphStrategy(scope=["full_iteration"], **options)
     else:
-        strategy, callbacks = "auto", [clock, CUDAGraphCallback(scope=[scope], **options)]
+        callbacks.append(CUDAGraphCallback(scope=[scope], **options))
     trainer = timing_trainer(steps, callbacks, strategy)
     trainer.fit(module, data)
     callback = graph_callback(trainer)

@@ -20,7 +20,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fixed_variant_for(model: str, report: dict[str, Any]) -> str:
-    """The fixed variant that trains at the level a ladder settled on (layers narrowed to their dense parts: the pair)."""
+    """The fixed variant at the level a ladder settled on (layers narrowed to their dense parts: the pair)."""
     level = report.get("level")
     narrowed = any(PARTS_INSTEAD in why for why in (report.get("exclusions") or {}).values())
     if level is None:
@@ -76,7 +76,7 @@ def ratios(model: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = {r["variant"]: r for r in results}
     fixed = [v for v in MODELS[model][1:5] if found.get(v, {}).get("median_ms") is not None]
     fastest = lambda names: min(names, key=lambda v: found[v]["median_ms"], default=None)  # noqa: E731
-    wanted = [
+    wanted: list[tuple[str, str, str | None, float | None]] = [
         ("auto-strategy", "best fixed", fastest(fixed), BEST_FIXED_GOAL),
         ("auto-callback", "best fixed scope", fastest([v for v in fixed if v != "full_iteration"]), BEST_FIXED_GOAL),
     ]
@@ -106,7 +106,7 @@ class ClimbMark(pl.Callback):
     """The wall time from ``started`` to the start of step ``CLIMB_STEPS``: one host sync there, none elsewhere."""
 
     def __init__(self) -> None:
-        self.started, self.seconds = 0.0, None
+        self.started, self.seconds = 0.0, cast(float | None, None)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
@@ -151,12 +151,14 @@ def cost(model: str, precision: str, steps: int) -> dict[str, Any]:
         min((f["climb_s"] for f in fits if f.get("climb_s") is not None), default=None) for fits in (autos, fixeds)
     ]
     report = auto.get("report") or {}
-    whole = climb = None
+    whole: float | None = None
+    climb: float | None = None
     if auto["wall_s"] and fixed["wall_s"] is not None:
         whole = finite((auto["wall_s"] - fixed["wall_s"]) / auto["wall_s"])
         settled = 3 + sum(row.get("steps") or 0 for row in report.get("ladder", [])) <= CLIMB_STEPS
-        if None not in climbs and settled:
-            extra = climbs[0] - climbs[1]
+        climb_auto, climb_fixed = climbs
+        if climb_auto is not None and climb_fixed is not None and settled:
+            extra = climb_auto - climb_fixed
             climb = finite(extra / (fixed["wall_s"] + extra))
     decisive = climb if climb is not None else whole
     return {

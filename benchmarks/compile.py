@@ -20,7 +20,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,7 +36,14 @@ from benchmarks.core.kernels import KernelWindow
 from benchmarks.core.models import CONFIGS, WARMUP_STEPS, build, train
 from benchmarks.core.timing import alternate, peak_memory
 
-VARIANTS = ("eager", "compile_reduce_overhead", "full_iteration", "full_iteration+compile", "layer", "layer+compile")
+VARIANTS: tuple[str, ...] = (
+    "eager",
+    "compile_reduce_overhead",
+    "full_iteration",
+    "full_iteration+compile",
+    "layer",
+    "layer+compile",
+)
 VARIANTS += ("pytorch_full_graph", "thunder")
 PACKAGE = ("full_iteration", "full_iteration+compile", "layer", "layer+compile")
 #: (variant, reference, least ratio wanted: per precision, or ``None``).
@@ -93,9 +100,9 @@ def ratios(results: list[dict[str, Any]], precision: str) -> list[dict[str, Any]
         value = ratio(other.get("median_ms"), side.get("median_ms"))
         goal = None if goals is None else goals[precision]
         met = None if goal is None or value is None else value >= goal
-        kernels = side.get("kernels") or {}
+        kernels: dict[str, Any] = side.get("kernels") or {}
         needed = None if goal is None or other.get("median_ms") is None else round(other["median_ms"] / goal, 4)
-        entry = {"variant": variant, "reference": reference, "ratio": value, "goal": goal, "met": met,
+        entry: dict[str, Any] = {"variant": variant, "reference": reference, "ratio": value, "goal": goal, "met": met,
                  "needed_ms": needed, "floor_ms": kernels.get("floor_ms"), "kernel_ms": kernels.get("kernel_ms"),
                  "host_ms": side.get("host_ms")}  # fmt: skip
         entry["limit"] = (
@@ -109,7 +116,7 @@ class FirstStep(pl.Callback):
     """The wall time of step 1 (a sync at its start and at its end, none later): where torch.compile compiles."""
 
     def __init__(self) -> None:
-        self.started, self.seconds = 0.0, None
+        self.started, self.seconds = 0.0, cast(float | None, None)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
@@ -146,11 +153,11 @@ def thunder(model: str, precision: str, steps: int, skip: int) -> dict[str, Any]
     """The GPT with Thunder in a plain loop: the same weights and batches, AdamW eager, the loss outside the jit."""
     if importlib.util.find_spec("thunder") is None:
         return {"variant": "thunder", "median_ms": None, "note": THUNDER_SKIPPED}
-    import thunder as th
-    from thunder.transforms.cudagraph import CUDAGraphTransform
+    import thunder as th  # type: ignore[import-not-found]
+    from thunder.transforms.cudagraph import CUDAGraphTransform  # type: ignore[import-not-found]
 
     module, data = build(model)
-    gpt = module.model.cuda()
+    gpt: Any = module.model.cuda()
     data.setup("fit")
     loader = data.train_dataloader()
     batches = (batch for _ in iter(int, 1) for batch in loader)

@@ -56,7 +56,15 @@ LABELS = {
 }
 #: The hand-written capture each package variant is compared with.
 HANDWRITTEN = {"full_iteration": "pytorch_full_graph", "eager": "pytorch_eager"}
-README_ROWS = ("eager", "attn", "attn+mlp", "layer", "full_iteration", "handwritten_layer", "pytorch_block_graphs")
+README_ROWS: tuple[str, ...] = (
+    "eager",
+    "attn",
+    "attn+mlp",
+    "layer",
+    "full_iteration",
+    "handwritten_layer",
+    "pytorch_block_graphs",
+)
 README_ROWS += ("pytorch_full_graph",)
 ZOO_FAILURES = ("graphs-WRONG", "eager-SILENT", "state-WRONG", "error")
 
@@ -88,7 +96,7 @@ def of_kind(records: Sequence[dict[str, Any]], kind: str, top: Path | None = Non
 
 
 # ---------------------------------------------------------------------------------------------------- cells
-def num(value: Any, digits: int = 2) -> str:
+def num(value: Any, digits: int | None = 2) -> str:
     """A number with ``digits`` decimals (``None``: 3 significant digits), ``n/a`` where missing."""
     if finite(value) is None:
         return NA

@@ -25,7 +25,7 @@ from benchmarks.core import records
 from benchmarks.core.models import COMPILE_VARIANTS, CONFIGS, KNOWN_VARIANTS, TE_VARIANTS, model_args, train
 from benchmarks.core.timing import alternate
 
-DEFAULT = ("eager", "attn", "attn+mlp", "layer", "handwritten_layer", "full_iteration")
+DEFAULT: tuple[str, ...] = ("eager", "attn", "attn+mlp", "layer", "handwritten_layer", "full_iteration")
 DEFAULT += ("pytorch_eager", "pytorch_block_graphs", "pytorch_full_graph")
 MOE = ("eager", "moe_router+preprocess", "layer", "full_iteration")
 SWEEP = ("eager", "layer", "full_iteration", "pytorch_full_graph")
@@ -91,12 +91,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     moe = "experts" in CONFIGS[config]
     default = SWEEP if args.sweep else MOE if moe else DEFAULT
     if args.variants == "all":
-        variants = MOE if moe else ALL
+        variants: tuple[str, ...] = MOE if moe else ALL
     else:
         variants = (
             tuple(records.names(parser, "--variants", args.variants, KNOWN_VARIANTS)) if args.variants else default
         )
-    batch_sizes = ()
+    batch_sizes: tuple[int, ...] = ()
     if args.sweep:
         text = args.batch_sizes or ",".join(map(str, SWEEP_BATCH_SIZES))
         if not all(part.strip().isdigit() and int(part) > 0 for part in text.split(",")):

@@ -92,7 +92,11 @@ def build_model(name: str) -> pl.LightningModule:
 def run(variant: str, data: list, steps: int, skip: int, model_name: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = build_model(model_name)
-    loader = DataLoader(data, batch_size=BATCH, collate_fn=PadToBucket(buckets=BUCKETS, pad_values={1: -100}))
+    loader: DataLoader[Any] = DataLoader(
+        data,  # type: ignore[arg-type]
+        batch_size=BATCH,
+        collate_fn=PadToBucket(buckets=BUCKETS, pad_values={1: -100}),
+    )
     clock, watch = StepClock(), Watch()
     recapture: dict[str, Any] = {"on_shape_change": "recapture", "max_graphs": len(BUCKETS)}
     callbacks: list[pl.Callback] = [clock, watch]

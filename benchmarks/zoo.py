@@ -28,7 +28,6 @@ import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -46,6 +45,8 @@ import torch
 from typing_extensions import override
 
 from benchmarks import report
+from benchmarks.core.figures import finite
+from benchmarks.core.models import report_figures
 from benchmarks.zoo_models import BuildContext, Entry, ZooModule, checksum, entries_named, missing_libraries
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 
@@ -377,39 +378,14 @@ def _collect(fit: Fit, module: ZooModule, trainer: pl.Trainer, probe: Probe) -> 
 def report_fields(callback: CUDAGraphCallback) -> dict[str, Any]:
     """The report's figures that the zoo records (JSON-ready)."""
     report = callback.report
-    return {
-        "stage": report.stage.name,
-        "reason": report.reason,
-        "level": report.level,
-        "graphs": report.graphs,
-        "replays": report.replays,
-        "captures": report.captures,
-        "fallbacks": report.fallbacks,
-        "fallback_reasons": dict(report.fallback_reasons),
-        "rollbacks": report.rollbacks,
-        "rollback_reasons": list(report.rollback_reasons),
-        "exclusions": dict(report.exclusions),
-        "steps_replayed": report.steps_replayed,
-        "steps_eager": report.steps_eager,
-        "speedup": _finite(report.speedup),
-        "parity_err": _finite(report.parity_err),
-        "ladder": [f"{r.level}:{r.status}" + (f" ({r.reason})" if r.reason else "") for r in report.ladder],
-    }
+    fields = report_figures(callback) or {}
+    return {**fields, "graphs": report.graphs, "fallback_reasons": dict(report.fallback_reasons)}
 
 
 # ---------------------------------------------------------------------------------------------------- comparing
 @dataclass
 class Diff:
-    """How far a fit is from eager's.
-
-    Attributes:
-        loss: Largest per-batch loss difference, relative to eager's loss.
-        params: Largest parameter or buffer difference, relative to that tensor's largest eager value.
-        params_worst: The tensor where ``params`` is.
-        metrics: Like ``params``, over torchmetrics states.
-        batch_mismatches: Batches whose checksum differs from eager's.
-        first_bad_batch: The first of them (``None``: none).
-    """
+    """How far a fit is from eager's: loss (relative per batch), parameters and metrics (relative per tensor)."""
 
     loss: float = 0.0
     params: float = 0.0
@@ -420,12 +396,7 @@ class Diff:
 
 
 def relative_error(ours: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> tuple[float, str | None]:
-    """The largest ``max|a - b| / max|b|`` over the tensors of ``reference`` (``inf`` for a missing or reshaped one).
-
-    Example:
-        >>> relative_error({"w": torch.tensor([1.0, 2.5])}, {"w": torch.tensor([1.0, 2.0])})
-        (0.25, 'w')
-    """
+    """The largest ``max|a - b| / max|b|`` over the tensors of ``reference`` (``inf`` for a missing or reshaped one)."""
     worst, name = 0.0, None
     for key, expected in reference.items():
         got = ours.get(key)
@@ -446,12 +417,7 @@ def relative_error(ours: Mapping[str, torch.Tensor], reference: Mapping[str, tor
 
 
 def loss_error(ours: Sequence[float], reference: Sequence[float]) -> float:
-    """The largest per-batch ``|a - b| / max(|b|, 1e-6)`` (``inf`` if the counts differ or one is not finite).
-
-    Example:
-        >>> loss_error([2.0, 1.01], [2.0, 1.0])
-        0.010000000000000009
-    """
+    """The largest per-batch ``|a - b| / max(|b|, 1e-6)`` (``inf`` if the counts differ or one is not finite)."""
     if len(ours) != len(reference):
         return math.inf
     worst = 0.0
@@ -464,12 +430,7 @@ def loss_error(ours: Sequence[float], reference: Sequence[float]) -> float:
 
 
 def batch_mismatches(ours: Sequence[float], reference: Sequence[float]) -> tuple[int, int | None]:
-    """How many batch checksums differ from eager's, and the first that does.
-
-    Example:
-        >>> batch_mismatches([1.0, 5.0, 3.0], [1.0, 2.0, 3.0])
-        (1, 1)
-    """
+    """How many batch checksums differ from eager's, and the first that does."""
     bad = [
         i
         for i in range(max(len(ours), len(reference)))
@@ -529,14 +490,7 @@ class Tolerance:
 
 
 def classify(*, error: str | None, refused: bool, ended_on_graphs: bool, reason: str | None, off: Sequence[str]) -> str:
-    """The class of a package run (see the module docstring).
-
-    Example:
-        >>> classify(error=None, refused=False, ended_on_graphs=True, reason=None, off=["loss"])
-        'graphs-WRONG'
-        >>> classify(error=None, refused=False, ended_on_graphs=False, reason=None, off=[])
-        'eager-SILENT'
-    """
+    """The class of a package run (see the module docstring)."""
     if error is not None:
         return "refused" if refused else "error"
     if ended_on_graphs:
@@ -589,7 +543,7 @@ def run_entry(entry: Entry, variants: Sequence[str], settings: Settings, say: Ca
         return record
     noise = compare(run_fit(entry, "noise", initial, settings), eager)
     tolerance = Tolerance.from_noise(noise, settings.floor_for(entry))
-    record.update(eager_ms=_finite(eager.ms_per_step), noise=asdict(noise), tolerance=asdict(tolerance))
+    record.update(eager_ms=finite(eager.ms_per_step), noise=asdict(noise), tolerance=asdict(tolerance))
     record["eager_dataset_changed"] = eager.dataset_changed
     for variant in variants:
         fit = run_fit(entry, variant, initial, settings)
@@ -619,18 +573,18 @@ def describe_run(entry: Entry, fit: Fit, eager: Fit, tolerance: Tolerance) -> di
     run["reason"] = fit.error if fit.error is not None else (_graph_note(fit.report) if fit.ended_on_graphs else reason)
     speedup = eager.ms_per_step / fit.ms_per_step if fit.ms_per_step > 0 else math.nan
     run.update(
-        speedup=_finite(speedup),
-        ms_per_step=_finite(fit.ms_per_step),
-        loss_err=_finite(diff.loss),
-        param_err=_finite(diff.params),
+        speedup=finite(speedup),
+        ms_per_step=finite(fit.ms_per_step),
+        loss_err=finite(diff.loss),
+        param_err=finite(diff.params),
         param_worst=diff.params_worst,
-        metric_err=_finite(diff.metrics),
+        metric_err=finite(diff.metrics),
         batch_mismatches=diff.batch_mismatches,
         first_bad_batch=diff.first_bad_batch,
         dataset_changed=fit.dataset_changed,
         rng_broken=fit.rng_broken,
         batches_run=fit.batches_run,
-        peak_mib=_finite(fit.peak_mib),
+        peak_mib=finite(fit.peak_mib),
         wall_s=round(fit.wall_s, 2),
         report=fit.report,
         messages=fit.messages,
@@ -659,15 +613,6 @@ def header_for(settings: Settings, command: str) -> dict[str, Any]:
         dist = {"torch_geometric": "torch-geometric"}.get(name, name)
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[name] = importlib.metadata.version(dist)
-    commit = "unknown"
-    with contextlib.suppress(Exception):
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
     device_name = torch.cuda.get_device_name() if settings.device == "cuda" else "CPU"
     return {
         "schema": SCHEMA_VERSION,
@@ -675,7 +620,6 @@ def header_for(settings: Settings, command: str) -> dict[str, Any]:
         "versions": versions,
         "command": command,
         "date": date.today().isoformat(),
-        "commit": commit,
         "capture_backend": settings.capture_backend or ("cuda" if settings.device == "cuda" else "none"),
         "floor_fp32": settings.floor_fp32,
         "floor_bf16": settings.floor_bf16,
@@ -691,10 +635,6 @@ def _fmt(value: float | None, suffix: str = "") -> str:
     if value == 0:
         return "0"
     return f"{value:.3g}" if abs(value) >= 1e-3 else f"{value:.1e}"
-
-
-def _finite(value: float) -> float | None:
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _first_line(text: str) -> str:

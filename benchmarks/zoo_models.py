@@ -284,16 +284,10 @@ class _Rows(Dataset):
 def _llama(**overrides: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = {
-        "vocab_size": VOCAB,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "max_position_embeddings": 256,
-        "use_cache": False,
-    }
+    # fmt: off
+    config = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256, "use_cache": False}
+    # fmt: on
     return LlamaForCausalLM(LlamaConfig(**{**config, **overrides}))
 
 
@@ -334,15 +328,10 @@ def build_bert_padding(ctx: BuildContext) -> Built:
     labels = torch.randint(0, 4, (len(texts),), generator=ctx.generator(offset=2)).tolist()
     rows = [{**tokenizer(text), "labels": label} for text, label in zip(texts, labels, strict=True)]
     collator = DataCollatorWithPadding(tokenizer=tokenizer, pad_to_multiple_of=32)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=256,
-        max_position_embeddings=256,
-        num_labels=4,
-    )
+    # fmt: off
+    config = BertConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=256, max_position_embeddings=256, num_labels=4)
+    # fmt: on
     net = BertForSequenceClassification(config)
     return Built(ZooModule(net, _hf_loss, _adamw()), _loader(_Rows(rows), 16, ctx, collate_fn=collator))
 
@@ -371,19 +360,11 @@ def _gpt2(dropout: float, use_cache: bool | None = False) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cache = {} if use_cache is None else {"use_cache": use_cache}
-    config = GPT2Config(
-        **cache,
-        vocab_size=VOCAB,
-        n_positions=128,
-        n_embd=128,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=VOCAB - 1,
-        eos_token_id=VOCAB - 1,
-    )
+    # fmt: off
+    config = GPT2Config(**cache, vocab_size=VOCAB, n_positions=128, n_embd=128, n_layer=2, n_head=4,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    # fmt: on
     return GPT2LMHeadModel(config)
 
 
@@ -412,19 +393,10 @@ def build_t5(ctx: BuildContext) -> Built:
     """``T5ForConditionalGeneration`` (tiny config, dropout 0.1): encoder-decoder, relative position buckets."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=128,
-        d_kv=32,
-        d_ff=256,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        dropout_rate=0.1,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        use_cache=False,
-    )
+    # fmt: off
+    config = T5Config(vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+    # fmt: on
     generator = ctx.generator()
     count = 8 * 16
     sources = torch.randint(1, VOCAB, (count, 64), generator=generator)
@@ -437,24 +409,12 @@ def build_whisper(ctx: BuildContext) -> Built:
     """``WhisperForConditionalGeneration`` (tiny config): log-mel features in, token labels out."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
-    config = WhisperConfig(
-        vocab_size=VOCAB,
-        num_mel_bins=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        d_model=128,
-        encoder_ffn_dim=256,
-        decoder_ffn_dim=256,
-        max_source_positions=64,
-        max_target_positions=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=1,
-        use_cache=False,
-    )
+    # fmt: off
+    config = WhisperConfig(vocab_size=VOCAB, num_mel_bins=32, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4, d_model=128, encoder_ffn_dim=256,
+                           decoder_ffn_dim=256, max_source_positions=64, max_target_positions=64, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, use_cache=False)
+    # fmt: on
     generator = ctx.generator()
     count = 8 * 16
     features = torch.randn(count, 32, 128, generator=generator)  # 2 * max_source_positions frames
@@ -644,87 +604,40 @@ def build_wav2letter(ctx: BuildContext) -> Built:
 
 # ---------------------------------------------------------------------------------------------------- the zoo
 HF = ("transformers", "tokenizers")
+# fmt: off
 ENTRIES: tuple[Entry, ...] = (
     Entry("llama_clm_collator", HF, "HF collator, BatchEncoding, lengths 32..256 padded to 64", build_llama_collator),
     Entry("bert_cls_padding", HF, "DataCollatorWithPadding, sequence classifier, dropout 0.1", build_bert_padding),
-    Entry(
-        "device_tensordataset",
-        (),
-        "TensorDataset on the device, batch_size 16, 8 epochs",
-        build_device_tensordataset,
-        layer_modules="net.*",
-    ),
-    Entry(
-        "device_batch_views",
-        (),
-        "batches are views of a device dataset, 8 epochs",
-        build_device_views,
-        layer_modules="net.*",
-    ),
+    Entry("device_tensordataset", (), "TensorDataset on the device, batch_size 16, 8 epochs",
+          build_device_tensordataset, layer_modules="net.*"),
+    Entry("device_batch_views", (), "batches are views of a device dataset, 8 epochs", build_device_views,
+          layer_modules="net.*"),
     Entry("gpt2_onecycle_clip", HF, "OneCycleLR (betas cycle) + gradient_clip_val=1.0", build_gpt2_onecycle, clip=1.0),
-    Entry(
-        "resnet18_cycliclr_sgd",
-        ("torchvision",),
-        "torchvision resnet18 64x64, BatchNorm, SGD + CyclicLR momentum cycling",
-        build_resnet18_cyclic,
-        layer_modules="net.layer*.*",
-    ),
-    Entry(
-        "vit_accuracy_metric",
-        ("timm", "torchmetrics"),
-        "timm ViT, torchmetrics Accuracy updated in training_step",
-        build_vit_accuracy,
-    ),
-    Entry(
-        "llama_accumulate4",
-        HF,
-        "accumulate_grad_batches=4 on LlamaForCausalLM",
-        build_llama_accumulate,
-        accumulate=4,
-        steps=32,
-    ),
+    Entry("resnet18_cycliclr_sgd", ("torchvision",), "torchvision resnet18 64x64, BatchNorm, SGD + CyclicLR momentum"
+          " cycling", build_resnet18_cyclic, layer_modules="net.layer*.*"),
+    Entry("vit_accuracy_metric", ("timm", "torchmetrics"), "timm ViT, torchmetrics Accuracy updated in training_step",
+          build_vit_accuracy),
+    Entry("llama_accumulate4", HF, "accumulate_grad_batches=4 on LlamaForCausalLM", build_llama_accumulate,
+          accumulate=4, steps=32),
     Entry("lora_llama", (*HF, "peft"), "peft LoRA (q_proj, v_proj) on Llama", build_lora_llama),
-    Entry(
-        "mobilenet_v3_small",
-        ("torchvision",),
-        "torchvision mobilenet_v3_small 64x64, BatchNorm, dropout 0.2",
-        build_mobilenet,
-        layer_modules="net.features.*",
-    ),
+    Entry("mobilenet_v3_small", ("torchvision",), "torchvision mobilenet_v3_small 64x64, BatchNorm, dropout 0.2",
+          build_mobilenet, layer_modules="net.features.*"),
     Entry("efficientnet_b0", ("timm",), "timm efficientnet_b0 64x64, BatchNorm", build_efficientnet),
     Entry("convnext_atto", ("timm",), "timm convnext_atto 64x64", build_convnext),
-    Entry(
-        "gcn_fixed_graphs",
-        ("torch_geometric",),
-        "torch_geometric GCN, Batch of fixed-size random graphs",
-        build_gcn_fixed,
-        layer_modules="net.conv*",
-    ),
-    Entry(
-        "gcn_variable_graphs",
-        ("torch_geometric",),
-        "torch_geometric GCN, Batch of random graphs of 12..36 nodes",
-        build_gcn_variable,
-        layer_modules="net.conv*",
-    ),
+    Entry("gcn_fixed_graphs", ("torch_geometric",), "torch_geometric GCN, Batch of fixed-size random graphs",
+          build_gcn_fixed, layer_modules="net.conv*"),
+    Entry("gcn_variable_graphs", ("torch_geometric",), "torch_geometric GCN, Batch of random graphs of 12..36 nodes",
+          build_gcn_variable, layer_modules="net.conv*"),
     Entry("gpt2_dropout", HF, "GPT-2 with dropout 0.1 (RNG in the step)", build_gpt2_dropout),
     Entry("llama_bf16", HF, 'LlamaForCausalLM, precision="bf16-mixed"', build_llama_bf16, precision="bf16-mixed"),
-    Entry(
-        "gpt2_default_cache",
-        HF,
-        "GPT-2 config left at its defaults (use_cache=True)",
-        build_gpt2_default_cache,
-    ),
+    Entry("gpt2_default_cache", HF, "GPT-2 config left at its defaults (use_cache=True)", build_gpt2_default_cache),
     Entry("t5_tiny", HF, "T5 encoder-decoder, dropout 0.1", build_t5),
     Entry("whisper_tiny", HF, "Whisper encoder-decoder on log-mel features", build_whisper),
-    Entry(
-        "wav2letter_ctc",
-        ("torchaudio",),
-        "torchaudio Wav2Letter, CTC loss",
-        build_wav2letter,
-        layer_modules=nn.Conv1d,  # its Sequential also holds ReLU(inplace=True), which is no region of its own
-    ),
+    # Wav2Letter's Sequential also holds ReLU(inplace=True), which is no region of its own: select the convolutions.
+    Entry("wav2letter_ctc", ("torchaudio",), "torchaudio Wav2Letter, CTC loss", build_wav2letter,
+          layer_modules=nn.Conv1d),
 )
+# fmt: on
 
 
 def entries_named(names: Sequence[str] | None) -> list[Entry]:
