@@ -1,7 +1,8 @@
 """A griffe extension for the API reference: a Google ``Example:`` section is read as ``Examples:``.
 
-The package's docstrings title their runnable examples ``Example:``, as Google's style guide does. griffe reads only
-``Examples:`` as an examples section (``Example:`` becomes an admonition, whose doctest lines render as prose).
+The package's docstrings title their runnable examples ``Example:`` (or ``Example::``), as Google's style guide
+does. griffe reads only ``Examples:`` as an examples section: ``Example:`` becomes an admonition, whose doctest lines
+render as prose.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from typing import Any
 
 import griffe
 
-_EXAMPLE = re.compile(r"^(\s*)Example:\s*$", re.MULTILINE)
+_EXAMPLE = re.compile(r"^(\s*)Example::?\s*$", re.MULTILINE)
 
 
 class ExampleSections(griffe.Extension):
-    """Renames every ``Example:`` section heading to ``Examples:`` before the docstring is parsed."""
+    """Renames every ``Example:`` and ``Example::`` section heading to ``Examples:`` before the docstring is parsed."""
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         """Rewrite the docstring of each object as it is loaded."""
