@@ -1,4 +1,4 @@
-"""``capture_backend`` as set on the callback or a strategy: ``None``, or a backend instance for its device."""
+"""``capture_backend`` on the callback and the strategies: ``None``, or a backend instance for its device, checked."""
 
 from __future__ import annotations
 
@@ -10,7 +10,27 @@ from lightning_cudagraph.errors import Verbatim, config_error
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import CUDABackend
 
-__all__ = ["checked_capture_backend"]
+__all__ = ["HoldsCaptureBackend", "checked_capture_backend"]
+
+
+class HoldsCaptureBackend:
+    """The ``capture_backend`` attribute of the callback and the strategies, checked when it is set."""
+
+    _capture_backend: CaptureBackend | None = None
+
+    @property
+    def capture_backend(self) -> CaptureBackend | None:
+        """The capture backend for the next fit; ``None`` uses CUDA on a CUDA device (and graphs off elsewhere).
+
+        A test double or another accelerator's backend (a
+        :class:`~lightning_cudagraph.graphs.backend.CaptureBackend` instance) can be set here; it is checked when set.
+        A strategy hands its backend to the callback it attaches.
+        """
+        return self._capture_backend
+
+    @capture_backend.setter
+    def capture_backend(self, backend: CaptureBackend | None) -> None:
+        self._capture_backend = checked_capture_backend(type(self).__name__, backend)
 
 
 def checked_capture_backend(component: str, backend: Any) -> CaptureBackend | None:

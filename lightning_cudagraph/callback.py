@@ -14,16 +14,15 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_cudagraph._lightning import trainer_callbacks
-from lightning_cudagraph.backend_setting import checked_capture_backend
+from lightning_cudagraph.backend_setting import HoldsCaptureBackend
 from lightning_cudagraph.environment import ensure_graph_safe_allocator
 from lightning_cudagraph.errors import Verbatim, config_error
-from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.keywords import checks_keywords, config_from
 from lightning_cudagraph.rollout import Rollout
 
 
-class CUDAGraphCallback(Callback):
+class CUDAGraphCallback(HoldsCaptureBackend, Callback):
     r"""Train with CUDA graphs, rolled out in stages so a graph is trusted only once it is shown to be right.
 
     After ``warmup_steps`` eager optimizer steps (which record every target's input signature and the eager step
@@ -128,23 +127,9 @@ class CUDAGraphCallback(Callback):
         self.config = config = config_from(type(self).__name__, locals())
         #: Named in messages and errors: this class, or the strategy that added the callback.
         self.component = type(self).__name__
-        self._capture_backend: CaptureBackend | None = None
         if config.enabled:
             ensure_graph_safe_allocator(self.component)
         self.rollout = Rollout(config, self.component)
-
-    @property
-    def capture_backend(self) -> CaptureBackend | None:
-        """The capture backend for the next fit; ``None`` uses CUDA on a CUDA device (and graphs off elsewhere).
-
-        A test double or another accelerator's backend (a
-        :class:`~lightning_cudagraph.graphs.backend.CaptureBackend` instance) can be set here; it is checked when set.
-        """
-        return self._capture_backend
-
-    @capture_backend.setter
-    def capture_backend(self, backend: CaptureBackend | None) -> None:
-        self._capture_backend = checked_capture_backend(self.component, backend)
 
     def seal(self, self_check: bool = True) -> None:
         """Close the set of batch shapes now: from the next step on, a shape without graphs raises.

@@ -19,17 +19,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_cudagraph._lightning import trainer_callbacks, trainer_of
-from lightning_cudagraph.backend_setting import checked_capture_backend
+from lightning_cudagraph.backend_setting import HoldsCaptureBackend
 from lightning_cudagraph.callback import CUDAGraphCallback
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.environment import ensure_graph_safe_allocator
-from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.rollout import Rollout
 
 __all__ = ["CUDAGraphStrategyBase", "attach_callback"]
 
 
-class CUDAGraphStrategyBase(Strategy):
+class CUDAGraphStrategyBase(HoldsCaptureBackend, Strategy):
     """The graph options and the whole-step override points, shared by the single-device and DDP strategies.
 
     It comes first among the bases of a strategy (``class S(CUDAGraphStrategyBase, SingleDeviceStrategy)``), so
@@ -40,19 +39,9 @@ class CUDAGraphStrategyBase(Strategy):
 
     def _init_graph_options(self, config: CUDAGraphConfig) -> None:
         self.cudagraph_config = config
-        self._capture_backend: CaptureBackend | None = None
         if config.enabled:
             ensure_graph_safe_allocator(type(self).__name__)
         self._callback: CUDAGraphCallback | None = None
-
-    @property
-    def capture_backend(self) -> CaptureBackend | None:
-        """Handed to the callback this strategy attaches (see :attr:`CUDAGraphCallback.capture_backend`)."""
-        return getattr(self, "_capture_backend", None)
-
-    @capture_backend.setter
-    def capture_backend(self, backend: CaptureBackend | None) -> None:
-        self._capture_backend = checked_capture_backend(type(self).__name__, backend)
 
     @property
     def rollout(self) -> Rollout | None:
