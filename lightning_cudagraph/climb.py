@@ -1,19 +1,16 @@
 """The level runner: one runner drives every fit, a fixed scope's one level and ``scope="auto"`` 's ladder alike.
 
 :class:`~lightning_cudagraph.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
-steps, through the driver interface only. It times the steps of the fit with the backend's timer: CUDA events,
-read once per log interval or decision, so no host sync per step. The eager steps before the first capture give
-the eager baseline; under ``scope="auto"`` each level is then timed over its first steps on graphs (a step's time
-runs from the end of the step before, Lightning's work between steps included). Every move happens at the end of
-a training batch, so the next step starts on the new level: a scoped level captures at once from the samples
-recorded during warmup; the whole step runs one eager step with its capturable optimizer first (NCCL's eager steps
-first under DDP).
+steps, through the driver interface only. Step times come from the backend's timer (CUDA events read once per log
+interval or decision, no host sync per step). The warmup steps give the eager baseline; under ``scope="auto"``
+each level is then timed over its first steps on graphs. Every move happens at the end of a training batch: a
+scoped level captures at once from the recorded samples; the whole step runs an eager step first (NCCL's under DDP).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,37 +19,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport, Stage
-from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder
+from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, Ladder
 from lightning_cudagraph.levels import Level, Plan
 from lightning_cudagraph.preflight import eager_steps_before_whole_step
 from lightning_cudagraph.stages import StageMachine
-from lightning_cudagraph.timing import StepTimer, median
+from lightning_cudagraph.step_times import FitSteps, LevelRun
+from lightning_cudagraph.timing import median
 
-__all__ = ["Climb", "LevelRun", "MakeDriver", "RunningFit"]
+__all__ = ["Climb", "MakeDriver", "RunningFit"]
 
 #: Builds a level's driver: the level, its settings, and what runs right before its first capture.
 MakeDriver = Callable[[Level, LevelSettings, Callable[[], None]], Driver]
-
-
-@dataclass
-class LevelRun:
-    """The runner's view of the level training is on: steps on its graphs, and the steps timed so far.
-
-    Attributes:
-        capture_mark: The fit's capture time when the level began (its row gets the captures since).
-        since_capture: Steps on graphs since the level's capture.
-        timing: Whether the step in progress counts towards the level's time.
-        measured: Steps timed so far.
-        due: Steps to time before the decision.
-        times: Their times, read so far (ms).
-    """
-
-    capture_mark: float
-    since_capture: int = 0
-    timing: bool = False
-    measured: int = 0
-    due: int = MEASURE_STEPS
-    times: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -65,8 +42,8 @@ class RunningFit:
         machine: The stage machine; a level's failure is offered to the runner before it becomes a rollback.
         make_driver: Builds the driver of a level (:class:`~lightning_cudagraph.factory.DriverFactory`).
         driver: The driver of the level training is on.
-        steps: Times every training step (read once per log interval).
-        window: Times the steps of a level on its graphs (read once per decision).
+        steps: Every training step's time.
+        level: The level's steps on graphs.
     """
 
     trainer: pl.Trainer
@@ -74,8 +51,8 @@ class RunningFit:
     machine: StageMachine
     make_driver: MakeDriver
     driver: Driver
-    steps: StepTimer
-    window: StepTimer
+    steps: FitSteps
+    level: LevelRun
 
 
 class Climb:
@@ -94,8 +71,6 @@ class Climb:
         self.ladder = Ladder(plan.levels, report, climbs=plan.climbs)
         self.report, self.component, self.settings = report, component, settings
         self._running: RunningFit | None = None
-        self._eager: list[float] | None = []  # eager step times until the baseline is noted (then None)
-        self._level = LevelRun(capture_mark=0.0)
         self._pending: Level | None = None  # where a failure sent the ladder (its driver is released)
 
     @property
@@ -104,7 +79,7 @@ class Climb:
         return self._running.driver if self._running is not None else None
 
     @property
-    def _fit(self) -> RunningFit:
+    def _fit(self) -> RunningFit:  # the moves and decisions come after attach
         if self._running is None:
             raise RuntimeError("the level runner moves between levels only once attached")
         return self._running
@@ -115,29 +90,21 @@ class Climb:
         if level is None:
             raise RuntimeError("a ladder with no level to try has nothing to attach (the rollout turns graphs off)")
         driver = make(level, self._settings_for(self.settings), self._note_eager_baseline)
-        self._running = RunningFit(trainer, backend, machine, make, driver, backend.timer(), backend.timer())
+        steps, level_run = FitSteps(backend.timer(), self.report), LevelRun(backend.timer(), 0.0)
+        self._running = RunningFit(trainer, backend, machine, make, driver, steps, level_run)
         machine.on_level_failure = self._level_failed
         self._enter(level)
 
     # ------------------------------------------------------------------ per step (no host sync)
     def batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Hand the batch to the driver, start its timer, and note whether it counts towards the level's time.
-
-        It counts when it replays the level's graphs once they are confirmed: confirming steps also run the parity
-        checks' eager forwards, which would make a level look slower (and its timing noisier) than it is.
-        """
+        """Hand the batch to the driver, start its timer, and note whether it counts towards the level's time."""
         fit = self._running
         if fit is None:
             return
         fit.driver.begin_batch(trainer, batch)
         fit.steps.start()
-        run = self._level
-        run.timing = (
-            not self.ladder.settled
-            and self._pending is None
-            and run.since_capture >= 1
-            and fit.machine.stage == Stage.REPLAYING
-        )
+        walking = not self.ladder.settled and self._pending is None
+        fit.level.step_started(walking and fit.machine.stage == Stage.REPLAYING)
 
     def batch_ended(self, outputs: Any) -> None:
         """Close the step: the driver's checks, then count it towards its level."""
@@ -146,43 +113,23 @@ class Climb:
             return
         fit.steps.stop()
         fit.driver.end_step(outputs)
-        machine = fit.machine
-        if machine.stage == Stage.WARMUP:
-            machine.warmup_losses.observe(outputs)
-        if self.ladder.settled:
-            return
-        self.ladder.row.steps += 1
-        on_graphs = machine.stage in (Stage.CONFIRMING, Stage.REPLAYING)
-        run = self._level
-        run.since_capture += on_graphs
-        if run.timing:
-            fit.window.stop()
-            run.measured += 1
-        if on_graphs and run.since_capture >= 1:
-            fit.window.start()
+        if fit.machine.stage == Stage.WARMUP:
+            fit.machine.warmup_losses.observe(outputs)
+        if not self.ladder.settled:
+            self.ladder.row.steps += 1
+            fit.level.step_ended(on_graphs=fit.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING))
 
     def read_step_times(self) -> None:
-        """Once per log interval: read the steps' times (one host sync on CUDA) and mirror their median.
-
-        Eager steps before the first capture are kept for the eager baseline instead.
-        """
-        fit = self._running
-        if fit is None:
-            return
-        times = fit.steps.read()
-        if self._eager is not None and fit.machine.stage == Stage.WARMUP:
-            self._eager.extend(times)
-        elif times:
-            self.report.step_ms = median(times)
+        """Once per log interval: read the steps' times (one host sync); the report mirrors their median."""
+        if self._running is not None:
+            self._running.steps.read_interval(eager=self._running.machine.stage == Stage.WARMUP)
 
     def _note_eager_baseline(self) -> None:
-        """Right before the first capture: the eager baseline from the eager steps so far (one host sync, once)."""
-        if self._eager is None:
-            return
-        times, self._eager = [*self._eager, *self._fit.steps.read()], None
-        times = times[1:] if len(times) > 1 else times  # the first step compiles kernels and fills caches
-        (self.ladder.eager_ms,) = self._fit.machine.agreement.slowest(median(times))
-        self.report.eager_step_ms = self.ladder.eager_ms
+        """Right before the first capture: the eager baseline (the slowest rank's), once; the report mirrors it."""
+        eager = self._fit.steps.eager_median()
+        if eager is not None:
+            (self.ladder.eager_ms,) = self._fit.machine.agreement.slowest(eager)
+            self.report.eager_step_ms = self.ladder.eager_ms
 
     def move_if_due(self) -> None:
         """At the end of a batch: go where a failure sent the ladder, or decide once the level is confirmed, timed."""
@@ -192,21 +139,20 @@ class Climb:
         if self._pending is not None:
             level, self._pending = self._pending, None
             self._switch(level)
-        elif (
-            not self.ladder.settled and self._level.measured >= self._level.due and fit.machine.stage == Stage.REPLAYING
-        ):
+        elif not self.ladder.settled and fit.level.measured >= fit.level.due and fit.machine.stage == Stage.REPLAYING:
             self._time_or_decide()
 
     # ------------------------------------------------------------------ decisions
     def _time_or_decide(self) -> None:
         """Decide on the steps timed so far (one host sync), or time a close call over a few more steps."""
-        fit, run = self._fit, self._level
+        fit = self._fit
+        run = fit.level
         same = self.ladder.same_regions(fit.driver.captured_regions()) if not run.times else None
         if same is not None:
             self._note_capture_time()
             self._follow(self.ladder.same_as(same))
             return
-        run.times.extend(fit.window.read())
+        run.read()
         spread = max(run.times) / max(min(run.times), 1e-9)
         step_ms, spread = fit.machine.agreement.slowest(median(run.times), spread)
         if len(run.times) < MAX_MEASURE_STEPS and self.ladder.close_call(step_ms, spread):
@@ -278,8 +224,8 @@ class Climb:
         return replace(settings, warmup_iters=1, keep_samples=not settled, measure_pool=settled)
 
     def _enter(self, level: Level) -> None:
-        self._fit.window.read()  # drop a partial window
-        self._level = LevelRun(capture_mark=self.report.capture_ms_total)
+        fit = self._fit
+        fit.level = LevelRun(fit.level.window, capture_mark=self.report.capture_ms_total)
         if not self.ladder.climbs:
             return
         self.report.level = level.name
@@ -298,8 +244,9 @@ class Climb:
     def _note_capture_time(self) -> None:
         """Add the captures since the level began to its row."""
         row = self.ladder.row
-        row.capture_ms += self.report.capture_ms_total - self._level.capture_mark
-        self._level.capture_mark = self.report.capture_ms_total
+        level = self._fit.level
+        row.capture_ms += self.report.capture_ms_total - level.capture_mark
+        level.capture_mark = self.report.capture_ms_total
 
     def release(self) -> None:
         """The fit ends: nothing pending; the driver releases everything it holds."""

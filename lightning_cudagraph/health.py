@@ -31,7 +31,7 @@ class LevelRecord:
             ``failed`` (capture or confirmation failed; ``reason`` says why), ``skipped`` (not tried; ``reason``)
             ``trying`` (on it now) or ``planned`` (not reached yet).
         step_ms: Median step time measured on the level (``nan`` if not measured).
-        capture_ms: Host time of the level's captures, warmup included.
+        capture_ms: Host time of the level's captures, capture warmup iterations included.
         steps: Training steps spent on the level while the ladder was walked.
         reason: Why a level failed or was skipped.
     """
@@ -88,11 +88,12 @@ class CUDAGraphReport:
         evictions: Graph sets evicted from the per-shape cache (``max_graphs``) to make room for another shape.
         steps_replayed: Training steps since the first capture that ran on graphs.
         steps_eager: Training steps since the first capture that ran eagerly (a shape without graphs yet, a
-            fallback, its own warmup).
-        capture_ms: Host time of the last capture, warmup included.
+            fallback, its own warmup steps).
+        capture_ms: Host time of the last capture, capture warmup iterations included.
         pool_mib: Memory held by the graphs' shared pool.
         step_ms: Median step time over the last log interval.
-        eager_step_ms: Median eager step time during warmup (first step excluded).
+        eager_step_ms: Median eager step time of the warmup steps (first step excluded): the ladder's eager
+            baseline, mirrored.
         parity_err: Largest relative difference between a graphed forward and the eager forward on the same
             inputs, measured during confirmation; for the whole step, between the graph's and the eager step's
             loss and parameter update from the same state (shadow steps: confirmation and audits).

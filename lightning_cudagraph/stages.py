@@ -1,8 +1,9 @@
 """The stage machine of the staged rollout: where a fit is, the transitions, and how graphs are given up.
 
 It owns the stage and the reasons behind it; the report is written from it, never read back. A decision that
-needs a device value (were the warmup losses finite? the confirmation losses?) takes exactly one host sync, when
-the decision is due: the losses of the steps before are folded into one device flag by :class:`LossWatch`.
+needs a device value (were the losses of the warmup steps finite? the confirmation losses?) takes exactly one host
+sync, when the decision is due: the losses of the steps before are folded into one device flag by
+:class:`LossWatch`.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class StageMachine:
 
     # ------------------------------------------------------------------ stage 2: eager stabilization
     def warmup_was_finite(self) -> bool:
-        """The decision that ends warmup (one host sync): were the eager losses finite? If not, stay eager."""
+        """The decision that ends the warmup steps (one host sync): were the eager losses finite? If not, stay eager."""
         if self.agreement.all_ok(not self.warmup_losses.any_nonfinite()):
             return True
         self.disable(
@@ -146,7 +147,7 @@ class StageMachine:
         self._release()
 
     def begin_level(self) -> None:
-        """``scope="auto"`` moves to another level: its capture is ahead, as at the end of warmup."""
+        """``scope="auto"`` moves to another level: its capture is ahead, as at the end of the warmup steps."""
         self.warmup_losses = LossWatch()
         self._write(Stage.WARMUP)
 

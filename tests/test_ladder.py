@@ -360,3 +360,42 @@ def test_a_seal_before_the_ladder_settles_carries_to_every_level_and_admits_the_
     assert report.level == "full_iteration" and report.rollbacks == 0, report.ladder
     replayed = [graph for graph in backend.step_graphs if graph.replays > 0]
     assert len(replayed) >= 2, "both shapes sealed at an earlier level were captured again as whole steps"
+
+
+# ---------------------------------------------------------------------------------------------- a fixed scope
+def test_a_fixed_scope_runs_through_the_same_runner_as_a_one_level_ladder_with_no_rows():
+    backend = timed()
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
+    callback.capture_backend = backend
+    eager = fit(*decoder(TINY), STEPS, **CPU)
+    run = fit(*decoder(TINY), STEPS, [callback], **CPU)
+
+    report = callback.report
+    assert (report.stage, report.level, report.ladder, report.rollbacks) == (Stage.REPLAYING, None, [], 0)
+    assert (report.eager_step_ms, report.step_ms) == (LEVEL_MS["eager"], LEVEL_MS["layer"]), "timed as before"
+    assert report.speedup == LEVEL_MS["eager"] / LEVEL_MS["layer"]
+    assert "cudagraph/level" not in report.metrics(), "a fixed scope logs no level"
+    assert backend.pools == 1, "one level: captured once, never moved"
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert patched_forwards(run.model) == [] and backend.live_graphs == 0
+
+
+def test_a_fixed_whole_step_that_fails_has_no_other_level_to_go_to_and_rolls_back():
+    backend = FakeBackend(fail_capture=RuntimeError("a host sync"))
+    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP)
+    strategy.capture_backend = backend
+    with pytest.warns(UserWarning, match="rolled back to eager training: capture_failed"):
+        run = fit(*decoder(TINY), 8, strategy=strategy, **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks, report.level, report.ladder) == (Stage.DISABLED, 1, None, [])
+    assert report.reason.startswith("rollback: capture_failed: RuntimeError: a host sync")
+    assert backend.pools == 1 and backend.live_graphs == 0
+    assert all(optimizer.restored for optimizer in backend.optimizers)
+
+
+def test_a_one_level_ladder_is_settled_from_the_start_and_writes_no_rows():
+    report = CUDAGraphReport()
+    ladder = Ladder([Level("layer")], report, climbs=False)
+    assert ladder.settled and ladder.current is not None and ladder.current.name == "layer"
+    assert report.ladder == [] and report.level is None

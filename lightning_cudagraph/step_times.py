@@ -1,0 +1,98 @@
+"""The times a fit is judged by: every training step's, the eager baseline, and each level's steps on graphs.
+
+All come from the backend's timer (CUDA events, read once per log interval or decision: no host sync per step). A
+step's time runs from the end of the step before, so Lightning's work between steps counts as it does in training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.ladder import MEASURE_STEPS
+from lightning_cudagraph.timing import StepTimer, median
+
+__all__ = ["FitSteps", "LevelRun"]
+
+
+class FitSteps:
+    """Every training step's time: the logged median, and the eager steps before the first capture.
+
+    Args:
+        timer: The backend's timer.
+        report: ``step_ms`` mirrors the median of each log interval.
+    """
+
+    def __init__(self, timer: StepTimer, report: CUDAGraphReport) -> None:
+        self.timer, self.report = timer, report
+        self._eager: list[float] | None = []  # eager step times until the baseline is taken (then None)
+
+    def start(self) -> None:
+        """A training step starts."""
+        self.timer.start()
+
+    def stop(self) -> None:
+        """The training step ends."""
+        self.timer.stop()
+
+    def read_interval(self, eager: bool) -> None:
+        """Once per log interval: read the steps (one host sync); ``eager``: warmup steps, kept for the baseline."""
+        times = self.timer.read()
+        if eager and self._eager is not None:
+            self._eager.extend(times)
+        elif times:
+            self.report.step_ms = median(times)
+
+    def eager_median(self) -> float | None:
+        """Right before the first capture: the median eager step time so far, once (``None`` after)."""
+        if self._eager is None:
+            return None
+        times, self._eager = [*self._eager, *self.timer.read()], None
+        return median(times[1:] if len(times) > 1 else times)  # the first step compiles kernels and fills caches
+
+
+@dataclass
+class LevelRun:
+    """A level's steps on graphs under ``scope="auto"``: how many ran since its capture, and those timed.
+
+    A step counts when it replays the level's graphs once they are confirmed: confirming steps also run the parity
+    checks' eager forwards, which would make a level look slower (and its timing noisier) than it is.
+
+    Attributes:
+        window: Times the level's steps (shared by the levels of a fit; a new level drops a partial window).
+        capture_mark: The fit's capture time when the level began (its row gets the captures since).
+        since_capture: Steps on graphs since the level's capture.
+        timing: Whether the step in progress is timed.
+        measured: Steps timed so far.
+        due: Steps to time before the decision.
+        times: Their times, read so far (ms).
+    """
+
+    window: StepTimer
+    capture_mark: float
+    since_capture: int = 0
+    timing: bool = False
+    measured: int = 0
+    due: int = MEASURE_STEPS
+    times: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.window.read()  # drop a partial window of the level before
+
+    def step_started(self, replaying: bool) -> None:
+        """A step starts: it is timed when it replays confirmed graphs, after the level's first step on them."""
+        self.timing = replaying and self.since_capture >= 1
+
+    def step_ended(self, on_graphs: bool) -> None:
+        """A step ended: count it, and start timing the next one once the level runs on graphs."""
+        self.since_capture += on_graphs
+        if self.timing:
+            self.window.stop()
+            self.measured += 1
+        if on_graphs and self.since_capture >= 1:
+            self.window.start()
+
+    def read(self) -> list[float]:
+        """Every timed step's time so far (one host sync)."""
+        self.times.extend(self.window.read())
+        return self.times
