@@ -242,6 +242,21 @@ def sweep_section(run: dict[str, Any], chart: str | None) -> str:
     return title + chart_line + table(header, rows) + "\n" + env_line(run)
 
 
+def variants_table(results: Sequence[dict[str, Any]]) -> str:
+    """Every variant of one model: ms/step, speedup, loss parity, compile time, kernels, every round, the note."""
+    rows = []
+    for r in results:
+        kernels, report = r.get("kernels") or {}, r.get("report") or {}
+        rows.append([
+            label(r["variant"]), num(r.get("median_ms")), times(r.get("speedup")), report.get("level") or "",
+            num(r.get("loss_max_abs_diff"), None), num(r.get("compile_s"), 1),
+            f"{num(kernels['kernel_ms'])} ({num(kernels['floor_ms'])})" if kernels else "",
+            " / ".join(num(ms) for ms in r.get("round_ms", [])), report_note(r),
+        ])  # fmt: skip
+    head = ["variant", "ms/step", "vs eager", "level", "loss parity", "compile s", "kernel ms (floor)", "ms per round"]
+    return table([*head, "note"], rows, "lrrlrrrll")
+
+
 def auto_section(record: dict[str, Any]) -> str:
     """``benchmarks/auto.py``: the ladder against every fixed scope, its cost, and each model's ladder."""
     summary, ladders = [], []
@@ -265,9 +280,8 @@ def auto_section(record: dict[str, Any]) -> str:
             [row["level"], row["status"], num(row.get("step_ms")), num(row.get("capture_ms"), 0), str(row["steps"])]
             for row in reports[0].get("ladder", [])
         ]
-        rounds = " / ".join(num(ms) for ms in results.get(both[0], {}).get("round_ms", []))
-        ladders.append(f"Ladder of {label(both[0])} on {model} (ms per round: {rounds}):\n\n" + table(
-            ["level", "status", "ms/step", "capture ms", "steps"], rows, "llrrr"))  # fmt: skip
+        ladders.append(f"#### {model}\n\n" + variants_table(measured["results"]) + f"\nLadder of {label(both[0])}:\n\n")
+        ladders[-1] += table(["level", "status", "ms/step", "capture ms", "steps"], rows, "llrrr")
     head = ["model", f"{label(both[0])} vs best fixed", f"{label(both[1])} vs best fixed scope"]
     head += [
         "auto vs eager (strategy / callback)",
@@ -323,7 +337,8 @@ def compile_section(record: dict[str, Any], chart: str | None) -> str:
         " bold: the goal is met. The floor is the GEMM, attention and optimizer kernels, which `compile=` leaves as"
         " they are.\n\n"
     )
-    body = intro + table([*head, "compile s"], rows, "lrrrrr") + "\n" + chart_line
+    details = "".join(f"\n#### {m} GPT\n\n" + variants_table(got["results"]) for m, got in record["models"].items())
+    body = intro + table([*head, "compile s"], rows, "lrrrrr") + "\n" + chart_line + details
     return f"### {PRECISIONS.get(record['precision'])}\n\n{body}{env_line(record)}"
 
 

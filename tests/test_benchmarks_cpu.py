@@ -271,3 +271,27 @@ def test_the_committed_docs_are_up_to_date(tmp_path):
     committed = report.DOCS.read_text()
     strip = lambda text: re.sub(r"!\[[^]]*\]\([^)]*\)\n\n", "", text)  # noqa: E731 (charts are not drawn here)
     assert strip(generated) == strip(committed), "run `python benchmarks/report.py` and commit docs/benchmarks.md"
+
+
+def test_run_writes_its_record_and_results_page(tmp_path, monkeypatch, capsys):
+    """``run.py --config small`` end to end with the training replaced: each variant's fastest round goes to JSON."""
+    seen = []
+
+    def fake_train(model, variant, precision, steps, skip, batch_size=None):
+        seen.append(variant)
+        ms = {"eager": 10.0, "layer": 4.0}.get(variant, 2.0) + len(seen) / 100
+        return {**fit(variant, [ms]), "losses": [1.0], "report": {"pool_mib": 3.0} if variant == "layer" else None}
+
+    monkeypatch.setattr(run, "train", fake_train)
+    monkeypatch.setattr(records, "needs_cuda", lambda script: None)
+    assert run.main(["--variants", "eager,layer", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert seen == ["eager", "layer", "eager", "layer"]
+    record = json.loads((tmp_path / "small_32-true.json").read_text())
+    assert [(r["variant"], r["median_ms"], r["round_ms"]) for r in record["results"]] == [
+        ("eager", 10.01, [10.01, 10.03]),
+        ("layer", 4.02, [4.02, 4.04]),
+    ]
+    assert "losses" not in record["results"][0], "the first losses are for parity, not for the record"
+    page = (tmp_path / "RESULTS.md").read_text()
+    assert cells(page, '`scope=["layer"]`')[1:3] == ["4.02", "2.49x"], "the README table of the run"
+    assert (tmp_path / "bars_small_32-true.png").exists()
