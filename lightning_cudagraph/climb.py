@@ -63,6 +63,13 @@ class Climb:
         report: The ladder's rows, the level and the timings are mirrored here.
         component: Named in messages.
         settings: A fixed scope's driver settings (:meth:`LevelSettings.of`); a walked ladder derives its own.
+
+    Example:
+        >>> from lightning_cudagraph.health import CUDAGraphReport
+        >>> plan = Plan((Level("full_iteration"),), climbs=False)
+        >>> climb = Climb(plan, CUDAGraphReport(), "doc", LevelSettings(3, 3, keep_samples=False, measure_pool=True))
+        >>> climb.ladder.settled, climb.ladder.current.name, climb.driver  # a driver comes with attach
+        (True, 'full_iteration', None)
     """
 
     def __init__(self, plan: Plan, report: CUDAGraphReport, component: str, settings: LevelSettings) -> None:

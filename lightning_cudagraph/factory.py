@@ -36,6 +36,12 @@ class DriverFactory:
         machine: The stage machine of the fit.
         trainer: The Trainer (Transformer Engine's driver reads its precision plugin).
         plan: What every scoped driver patches (the targets of all levels, and the parts that may replace a layer).
+
+    Example:
+        A fit builds one in ``on_fit_start`` and hands it to the level runner, which calls it per level::
+
+            factory = DriverFactory(config, component, backend, machine, trainer, plan)
+            driver = factory(level, LevelSettings.of(config), before_first_capture=note_eager_baseline)
     """
 
     def __init__(

@@ -32,7 +32,12 @@ PART_SCOPES = LEVEL_SCOPES["attn+mlp"]
 
 @dataclass(frozen=True)
 class Level:
-    """An entry of the ladder: the regions it captures (none for the whole step), or why it is not tried."""
+    """An entry of the ladder: the regions it captures (none for the whole step), or why it is not tried.
+
+    Example:
+        >>> Level("full_iteration").whole_step, Level("attn", unavailable="no attn or mamba modules").unavailable
+        (True, 'no attn or mamba modules')
+    """
 
     name: str
     targets: tuple[Target, ...] = ()
@@ -60,6 +65,11 @@ class Plan:
         parts: For each layer, the dense parts captured instead when the layer cannot be (``scope="auto"``).
         scopes: What each scope (or level) found, for the report.
         summary: One line said at setup, what will be captured; with no level to try, why graphs are off.
+
+    Example:
+        >>> plan = Plan((Level("full_iteration"),), climbs=False)  # scope=["full_iteration"]: a one-level ladder
+        >>> [level.name for level in plan.levels], plan.patched
+        (['full_iteration'], ())
     """
 
     levels: tuple[Level, ...]

@@ -21,6 +21,13 @@ class FitSteps:
     Args:
         timer: The backend's timer.
         report: ``step_ms`` mirrors the median of each log interval.
+
+    Example:
+        >>> from lightning_cudagraph.health import CUDAGraphReport
+        >>> steps = FitSteps(StepTimer(use_cuda=False), CUDAGraphReport())
+        >>> steps.start(); steps.stop()
+        >>> steps.eager_median() >= 0, steps.eager_median()  # taken once
+        (True, None)
     """
 
     def __init__(self, timer: StepTimer, report: CUDAGraphReport) -> None:
@@ -66,6 +73,13 @@ class LevelRun:
         measured: Steps timed so far.
         due: Steps to time before the decision.
         times: Their times, read so far (ms).
+
+    Example:
+        >>> run = LevelRun(StepTimer(use_cuda=False), capture_mark=0.0)
+        >>> run.step_started(replaying=True); run.step_ended(on_graphs=True)  # the level's first step on graphs
+        >>> run.step_started(replaying=True); run.step_ended(on_graphs=True)
+        >>> run.since_capture, run.measured, len(run.read())
+        (2, 1, 1)
     """
 
     window: StepTimer
