@@ -96,7 +96,7 @@ class Climb:
         level = self.ladder.current
         if level is None:
             raise RuntimeError("a ladder with no level to try has nothing to attach (the rollout turns graphs off)")
-        driver = make(level, self._settings_for(self.settings), self._note_eager_baseline)
+        driver = make(level, _level_settings(self.ladder, self.settings), self._note_eager_baseline)
         steps, level_run = FitSteps(backend.timer(), self.report), LevelRun(backend.timer(), 0.0)
         self._running = RunningFit(trainer, backend, machine, make, driver, steps, level_run)
         machine.on_level_failure = self._level_failed
@@ -210,25 +210,14 @@ class Climb:
             driver.release()
             eager_steps = eager_steps_before_whole_step(fit.trainer) if level.whole_step else 1
             settings = replace(self.settings, first_eager_steps=eager_steps)
-            fit.driver = fit.make_driver(level, self._settings_for(settings), self._note_eager_baseline)
+            fit.driver = fit.make_driver(level, _level_settings(self.ladder, settings), self._note_eager_baseline)
             fit.driver.take_seal_from(driver)
             fit.driver.start(fit.trainer)
         else:
-            driver.settings = self._settings_for(driver.settings)
+            driver.settings = _level_settings(self.ladder, driver.settings)
         fit.backend.renew_pool()
         fit.machine.begin_level()
         self._enter(level)
-
-    def _settings_for(self, settings: LevelSettings) -> LevelSettings:
-        """A walked ladder's settings for the level it enters; a fixed scope's stay as they are.
-
-        Regions capture after one capture warmup iteration (they already ran on this stream in every step so far),
-        keep their samples while other levels may need them, and read the pool's size once, on the level kept.
-        """
-        if not self.ladder.climbs:
-            return settings
-        settled = self.ladder.settled
-        return replace(settings, warmup_iters=1, keep_samples=not settled, measure_pool=settled)
 
     def _enter(self, level: Level) -> None:
         fit = self._fit
@@ -250,13 +239,21 @@ class Climb:
 
     def _note_capture_time(self) -> None:
         """Add the captures since the level began to its row."""
-        row = self.ladder.row
-        level = self._fit.level
-        row.capture_ms += self.report.capture_ms_total - level.capture_mark
-        level.capture_mark = self.report.capture_ms_total
+        self.ladder.row.capture_ms += self._fit.level.captures_since(self.report.capture_ms_total)
 
     def release(self) -> None:
         """The fit ends: nothing pending; the driver releases everything it holds."""
         self._pending = None
         if self._running is not None:
             self._running.driver.release()
+
+
+def _level_settings(ladder: Ladder, settings: LevelSettings) -> LevelSettings:
+    """A walked ladder's settings for the level it enters; a fixed scope's stay as they are.
+
+    Regions capture after one capture warmup iteration (they already ran on this stream in every step so far),
+    keep their samples while other levels may need them, and read the pool's size once, on the level kept.
+    """
+    if not ladder.climbs:
+        return settings
+    return replace(settings, warmup_iters=1, keep_samples=not ladder.settled, measure_pool=ladder.settled)

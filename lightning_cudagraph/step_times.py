@@ -106,6 +106,11 @@ class LevelRun:
         if on_graphs and self.since_capture >= 1:
             self.window.start()
 
+    def captures_since(self, total: float) -> float:
+        """The capture time since the mark, given the fit's total so far; the mark moves to ``total``."""
+        since, self.capture_mark = total - self.capture_mark, total
+        return since
+
     def read(self) -> list[float]:
         """Every timed step's time so far (one host sync)."""
         self.times.extend(self.window.read())
