@@ -159,27 +159,27 @@ def _rebuild(node: Any, leaf: Callable[[Tensor], Tensor]) -> Any:
         items = {key: _rebuild(value, leaf) for key, value in node.items()}
         if type(node) is dict:
             return items
-        new = copy.copy(node)  # keeps the type (UserDict, BatchEncoding, OrderedDict) and its attributes
+        mapping: Any = copy.copy(node)  # keeps the type (UserDict, BatchEncoding, OrderedDict) and its attributes
         for key, value in items.items():
-            new[key] = value
-        return new
+            mapping[key] = value
+        return mapping
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return type(node)(*(_rebuild(value, leaf) for value in node))
     if isinstance(node, (list, tuple)):
         return type(node)(_rebuild(value, leaf) for value in node)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        new = copy.copy(node)
+        instance: Any = copy.copy(node)
         for f in dataclasses.fields(node):
-            object.__setattr__(new, f.name, _rebuild(getattr(node, f.name), leaf))
-        return new
+            object.__setattr__(instance, f.name, _rebuild(getattr(node, f.name), leaf))
+        return instance
     if type(node) in pytree.SUPPORTED_NODES:
         entry = pytree.SUPPORTED_NODES[type(node)]
         children, context = entry.flatten_fn(node)
         return entry.unflatten_fn([_rebuild(child, leaf) for child in children], context)
-    children = _children(node)
-    if children is None:
+    attributes = _children(node)
+    if attributes is None:
         raise OpaqueBatch(f"a {type(node).__qualname__}")
     new = copy.copy(node)
-    for key, value in children:
+    for key, value in attributes:
         setattr(new, key, _rebuild(value, leaf))
     return new

@@ -8,7 +8,7 @@ capture never feeds a module values it would not see.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,12 @@ class CapturePlan:
 class WarmupRecorder:
     """Collects :class:`StepRecord` s while targets run eagerly.
 
+    Args:
+        targets: The patched targets, by index.
+        history: Steps kept per batch shape.
+        run_of: What training steps run for target ``index`` (``None``: its module's forward); a capture plan's
+            calls run that.
+
     Example:
         >>> import torch, torch.nn as nn
         >>> from lightning_cudagraph.graphs.backend import RecordedCall
@@ -63,11 +69,15 @@ class WarmupRecorder:
         layer: input 0: float32[8, 4] -> float32[5, 4]
     """
 
-    def __init__(self, targets: Sequence[Target], history: int = 8) -> None:
+    def __init__(
+        self, targets: Sequence[Target], history: int = 8, run_of: Callable[[int], Callable[..., Any]] | None = None
+    ) -> None:
         self._targets = list(targets)
         self._history = history
+        #: What training steps run for a target (a capture records that): its forward, or a compiled stand-in.
+        self._run_of = run_of or (lambda index: self._targets[index].module.forward)
         self._by_batch: dict[tuple[Any, ...], list[StepRecord]] = {}
-        #: Steps recorded per batch shape, all of them: with gradient accumulation a warmup of N optimizer steps
+        #: Steps recorded per batch shape, all of them: with gradient accumulation N warmup steps (optimizer steps)
         #: is N x accumulate_grad_batches recorded steps, more than ``history`` keeps.
         self._seen: dict[tuple[Any, ...], int] = {}
         self._current: StepRecord | None = None
@@ -171,19 +181,13 @@ class WarmupRecorder:
             if samples is None:
                 plan.unstable = f"{target.name}: no sample inputs were kept"
                 return plan
-            plan.calls.append(RecordedCall(target.name, target.module, _forward_to_capture(target), signature, samples))
+            plan.calls.append(RecordedCall(target.name, target.module, self._run_of(index), signature, samples))
         return plan
 
 
 def target_name(targets: Sequence[Target], index: int) -> str:
     """The qualified name of target ``index``."""
     return targets[index].name
-
-
-def _forward_to_capture(target: Target) -> Any:
-    """What training runs for the target: the patched forward's ``run`` (compiled with ``compile=``)."""
-    forward = target.module.forward
-    return getattr(forward, "run", forward)
 
 
 def _sample_of(tensor: Tensor) -> Tensor:

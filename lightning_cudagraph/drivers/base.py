@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,15 +20,6 @@ from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.stages import StageMachine
-
-
-def shape_change_error(component: str, change: str) -> RuntimeError:
-    """The error of ``on_shape_change="error"``."""
-    return RuntimeError(
-        f"{component}(on_shape_change='error'): {change}. Fix: keep batch shapes fixed (e.g."
-        " DataLoader(drop_last=True)), or pass on_shape_change='eager' or 'recapture'."
-    )
-
 
 #: Capture warmup iterations per region before its capture, for a fixed scope (eager forward-backward runs).
 CAPTURE_WARMUP_ITERS = 3
@@ -76,7 +67,7 @@ class Driver(ABC):
         component: Named in messages.
         backend: Does the device work.
         machine: The stage machine of this fit.
-        settings: The level's settings (``None``: a fixed scope's, :meth:`LevelSettings.of`).
+        settings: The level's settings (a fixed scope's: :meth:`LevelSettings.of`).
         compiled: The compiled stand-in a driver owns with ``compile=`` (``None`` without); each driver types and
             keeps its own (see its class).
     """
@@ -87,42 +78,20 @@ class Driver(ABC):
         component: str,
         backend: CaptureBackend,
         machine: StageMachine,
-        settings: LevelSettings | None = None,
+        settings: LevelSettings,
         compiled: object | None = None,
     ) -> None:
         self.config, self.component, self.backend, self.machine = config, component, backend, machine
         self.report: CUDAGraphReport = machine.report
         #: The level's settings; the level runner assigns a new value (``driver.settings = replace(...)``).
-        self.settings = settings if settings is not None else LevelSettings.of(config)
+        self.settings = settings
         #: Called once, right before the first capture (the rollout reads the eager step times there).
         self.before_first_capture: Callable[[], None] = lambda: None
         #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
         self.captured_any = False
 
-    @property
-    def first_eager_steps(self) -> int:
-        """Eager steps the first batch shape runs before its capture (a later level of ``scope="auto"`` needs fewer)."""
-        return self.settings.first_eager_steps
-
-    @first_eager_steps.setter
-    def first_eager_steps(self, steps: int) -> None:
-        self.settings = replace(self.settings, first_eager_steps=steps)
-
-    @property
-    def measure_pool(self) -> bool:
-        """Whether the pool's size is read after each capture (see :class:`LevelSettings`)."""
-        return self.settings.measure_pool
-
-    @measure_pool.setter
-    def measure_pool(self, on: bool) -> None:
-        self.settings = replace(self.settings, measure_pool=on)
-
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
         return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)
-
-    def _before_first_capture(self) -> None:
-        if not self.captured_any:
-            self.before_first_capture()
 
     @abstractmethod
     def start(self, trainer: pl.Trainer) -> None:
@@ -195,11 +164,14 @@ class Driver(ABC):
         """Keep the checkpoint free of the package's state."""
 
     # ------------------------------------------------------------------ capture bookkeeping
-    def _capture_failed(self, error: Exception) -> None:
-        """Roll back loudly (or raise); the failed capture already undid its partial work."""
-        self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)
+    def before_capture(self) -> None:
+        """Right before a capture: the first one reads the eager step times; the memory before graphs is noted."""
+        if not self.captured_any:
+            self.before_first_capture()
+        if self.report.memory_before_capture is None:
+            self.report.memory_before_capture = self.backend.memory_allocated()
 
-    def _captured(self, started: float, graphs: int, undo: Callable[[], None] | None = None) -> bool:
+    def count_capture(self, started: float, graphs: int, undo: Callable[[], None] | None = None) -> bool:
         """Count a capture and its memory; roll back if the pool is over budget. Returns whether to go on.
 
         ``undo`` runs before a rollback (it puts back what the capture's Python changed, before release gives the
@@ -220,10 +192,6 @@ class Driver(ABC):
             return False
         return True
 
-    def _eager_steps_needed(self) -> int:
+    def eager_steps_needed(self) -> int:
         """Eager steps a batch shape runs before its capture: ``warmup_steps`` for the first, one for later ones."""
         return 1 if self.captured_any else self.settings.first_eager_steps
-
-    def _note_memory_before_capture(self) -> None:
-        if self.report.memory_before_capture is None:
-            self.report.memory_before_capture = self.backend.memory_allocated()

@@ -10,7 +10,9 @@ the allocator cannot capture into a pool after a failed capture.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.evidence import MetricUpdates
@@ -22,7 +24,8 @@ from lightning_cudagraph.graphs.backend import (
     RecordedCall,
     RegionGraphs,
 )
-from lightning_cudagraph.hooks import hooks_stashed
+from lightning_cudagraph.hooks import hooks_stashed, inner_hook_count
+from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.snapshot import TrainingState
 from lightning_cudagraph.stages import StageMachine
 
@@ -47,7 +50,7 @@ class NarrowingCapture:
         self.config, self.backend, self.machine, self.regions = config, backend, machine, regions
         #: Update counts of the metrics inside the last pass's regions, taken before it.
         self.metrics = MetricUpdates([])
-        #: The metrics inside the regions that the last pass's warmup and capture updated (then put back).
+        #: The metrics inside the regions that the last pass updated (warmup iterations and capture; then put back).
         self.updated: list[str] = []
 
     def capture(
@@ -81,7 +84,7 @@ class NarrowingCapture:
         """One capture pass, its outcome agreed by every rank; ``None`` when it failed as a whole (rolled back)."""
         modules = [call.module for call in calls]
         self.metrics = MetricUpdates((call.name, call.module) for call in calls)
-        # Warmup and capture run the regions' Python: metric updates and counters in them are put back after.
+        # Capture warmup iterations and the capture run the regions' Python: metric updates and counters are put back.
         before = [TrainingState.take(module) for module in {id(m): m for m in modules}.values()]
         error: Exception | None = None
         started = time.perf_counter()
@@ -150,3 +153,16 @@ class NarrowingCapture:
 
     def _failed(self, error: Exception) -> None:
         self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)
+
+
+def say_what_stays_eager(component: str, targets: Sequence[Target], skipped: dict[str, str]) -> None:
+    """Before a capture: the targets left out of it, and hooks inside captured regions (they fire in eager steps)."""
+    for name, why in skipped.items():
+        rank_zero_info(f"{component}: {name} stays eager: {why}")
+    for target in targets:
+        hooks = inner_hook_count(target.module)
+        if hooks:
+            rank_zero_warn(
+                f"{component}: {hooks} hook(s) on modules inside {target.name} fire during eager steps only,"
+                " not while it replays as a graph (hooks on the region itself keep firing)."
+            )

@@ -1,7 +1,7 @@
 """Patched forwards and the per-call policy of scoped graphs.
 
 Each target module's ``forward`` is replaced by a :class:`TargetForward` while graphs are in use. Called in a
-training step, it records the call (eager warmup), replays the region's graph (signature matched), or runs the
+training step, it records the call (warmup steps), replays the region's graph (signature matched), or runs the
 original forward and counts a fallback with its reason. Outside training steps (validation, test, predict) it is a
 plain call of the original forward. :meth:`PatchedForwards.restore` gives every module its forward back.
 """
@@ -77,6 +77,10 @@ class PatchedForwards:
             for forward in self._patched:
                 forward.module.forward = forward
 
+    def run_of(self, index: int) -> Callable[..., Any]:
+        """What training steps run (and a capture records) for target ``index``: its forward, or the compiled one."""
+        return self._patched[index].run if self._patched else self._targets[index].module.forward
+
     def restore(self) -> None:
         """Give every target its forward back (idempotent)."""
         patched, self._patched = self._patched, []
@@ -131,8 +135,9 @@ class CallRouter:
 
     Args:
         report: Replays and fallbacks are counted here (written, never read back).
-        component: Named in errors.
-        strict_shapes: Raise on a call whose signature is not the captured one (``on_shape_change="error"``).
+        mismatch: Answers a call its region's graph was not captured for (region name, what differs): the
+            fallback's reason, or it raises (``on_shape_change="error"``); see
+            :meth:`~lightning_cudagraph.drivers.shape_change.ShapeDecision.region_mismatch`.
         state_problem: Says why the parameters no longer match the graphs (trainability, storage), or ``None``.
         preserved: Restores random-number and buffer state around a confirmation's graphed forward.
     """
@@ -140,12 +145,11 @@ class CallRouter:
     def __init__(
         self,
         report: CUDAGraphReport,
-        component: str,
-        strict_shapes: bool,
+        mismatch: Callable[[str, str], str],
         state_problem: Callable[[], str | None],
         preserved: Callable[[list[torch.nn.Module]], contextlib.AbstractContextManager[None]],
     ) -> None:
-        self.report, self.component, self.strict_shapes = report, component, strict_shapes
+        self.report, self._mismatch = report, mismatch
         self._state_problem, self._preserved = state_problem, preserved
         self._route: StepRoute | None = None
 
@@ -179,13 +183,7 @@ class CallRouter:
                 return forward.run(*args, **kwargs)
         mismatch = _mismatch(entry.region, forward.module, args, kwargs)
         if mismatch is not None:
-            if self.strict_shapes:
-                raise RuntimeError(
-                    f"{self.component}(on_shape_change='error'): {entry.region.name} was captured for another"
-                    f" input: {mismatch}. Fix: keep shapes fixed (e.g. drop_last=True), or pass"
-                    " on_shape_change='eager' or 'recapture'."
-                )
-            self._count_fallback(route, f"{entry.region.name}: {mismatch}")
+            self._count_fallback(route, self._mismatch(entry.region.name, mismatch))
             return forward.run(*args, **kwargs)
         if route.confirming:
             return self._confirming_call(route, entry, forward, args, kwargs)

@@ -1,4 +1,8 @@
-"""The pieces of a captured training step: its static batch, its output and logs, and in-graph non-finite flags."""
+"""The pieces of a whole step: the plan of the next step, a captured step (static batch, output, logs), its flags.
+
+:meth:`~lightning_cudagraph.drivers.whole_step.WholeStepDriver.plan` makes a :data:`StepPlan` before each
+training step; :meth:`~lightning_cudagraph.drivers.whole_step.WholeStepDriver.run` carries it out.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +55,35 @@ class WholeStep:
         self.graph = None
         self.static_batch = self.output = None
         self.logs.clear()
+
+
+@dataclass(frozen=True)
+class EagerStep:
+    """Run the step eagerly; ``fallback`` says why while graphs are in use (counted), ``None`` during warmup steps."""
+
+    fallback: str | None = None
+
+
+@dataclass(frozen=True)
+class CaptureStep:
+    """Capture the step for this batch signature (its batch is the graph's static batch), then replay it."""
+
+    key: tuple[Any, ...]
+    whole: WholeStep
+    #: The batch key whose captured step this capture evicts (``on_shape_change="recapture"``, the cache full).
+    evicts: tuple[Any, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    """Replay the step captured for this batch signature."""
+
+    key: tuple[Any, ...]
+    whole: WholeStep
+
+
+#: What the next optimizer step does.
+StepPlan = EagerStep | CaptureStep | ReplayStep
 
 
 class NonFiniteFlags:

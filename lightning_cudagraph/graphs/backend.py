@@ -94,7 +94,7 @@ class CapturePassResult:
     regions: list[RegionGraphs] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)
     #: Every call of the pass was warmed up on the capture stream before it failed: a pass over what is left (the
-    #: same calls, or parts of them, which ran inside them) needs no warmup again.
+    #: same calls, or parts of them, which ran inside them) needs no capture warmup iterations again.
     warmed: bool = False
 
 

@@ -1,0 +1,133 @@
+"""Stages 3-4 of the scoped driver: a batch shape's capture plan from its recorded steps, then its graph set.
+
+The plan comes from the shape's eager steps (:meth:`~lightning_cudagraph.recording.WarmupRecorder.plan`): the
+calls to capture in execution order, or why the shape is not stable. The capture passes are
+:class:`~lightning_cudagraph.drivers.region_capture.NarrowingCapture` 's; here the regions become a graph set,
+counted and checked against the memory budget and the metrics inside them. The first shape starts confirmation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_cudagraph.batches import describe_batch_key
+from lightning_cudagraph.drivers.base import Driver
+from lightning_cudagraph.drivers.evidence import StateWatch
+from lightning_cudagraph.drivers.region_capture import NarrowingCapture, say_what_stays_eager
+from lightning_cudagraph.drivers.regions import RegionSet
+from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, ReplayEntry, StepRoute
+from lightning_cudagraph.drivers.shape_cache import ShapeCache
+from lightning_cudagraph.drivers.shape_change import ShapeOutcome
+from lightning_cudagraph.graphs.backend import CaptureMethod
+from lightning_cudagraph.health import Stage
+from lightning_cudagraph.recording import CapturePlan, WarmupRecorder
+
+
+class GraphSetCapture:
+    """Captures the graph set of one batch shape for a scoped driver.
+
+    Args:
+        driver: The scoped driver (its options, settings, stage machine and capture bookkeeping).
+        regions: Which targets are captured.
+        recorder: The recorded eager steps, by batch shape.
+        narrowing: Runs the capture passes.
+        router: Routes the targets' calls (told about each region's backward).
+        graph_sets: Where a captured graph set is held.
+        state: Watches the captured regions' tensors from the first capture on.
+
+    Example:
+        >>> capture = GraphSetCapture(driver, regions, recorder, narrowing, router, graph_sets, state)  # doctest: +SKIP
+        >>> graph_set = capture.capture_shape(batch, outcome, method=None)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        regions: RegionSet,
+        recorder: WarmupRecorder,
+        narrowing: NarrowingCapture,
+        router: CallRouter,
+        graph_sets: ShapeCache[GraphSet],
+        state: StateWatch,
+    ) -> None:
+        self.driver, self.regions, self.recorder, self.narrowing = driver, regions, recorder, narrowing
+        self.router, self.graph_sets, self.state = router, graph_sets, state
+        self.machine, self.report, self.component = driver.machine, driver.report, driver.component
+        #: Batch shapes found not capturable (their steps fall back to eager, counted).
+        self.uncapturable: set[tuple[Any, ...]] = set()
+        #: Whether a captured region runs under autocast (the parity tolerance of reduced precision).
+        self.autocast = False
+
+    def capture_shape(
+        self, batch: tuple[Any, ...], outcome: ShapeOutcome, method: CaptureMethod | None
+    ) -> GraphSet | None:
+        """Plan the capture from the shape's recorded steps and capture it; the first shape starts confirmation."""
+        first = self.machine.stage == Stage.WARMUP
+        plan = self.recorder.plan(excluded=self.regions.left_out(), batch=batch)
+        if plan.unstable is not None or not plan.calls:
+            self._not_capturable(batch, plan, outcome.reason)
+            return None
+        say_what_stays_eager(self.component, self.regions.active_targets, plan.skipped)
+        if not self._capture(batch, plan, outcome, method):
+            return None
+        if first:
+            self.machine.begin_confirmation()
+            self.state.watch(
+                (f"{t.name}.{n}", tensor)
+                for t in self.regions.active_targets
+                for n, tensor in (*t.module.named_parameters(), *t.module.named_buffers())
+            )
+        return self.graph_sets.get(batch)
+
+    def _not_capturable(self, batch: tuple[Any, ...], plan: CapturePlan, change: str | None) -> None:
+        """The first shape: graphs are off for this fit. A later one: it stays eager, loudly."""
+        if change is None:
+            if plan.unstable is not None:
+                detail = f"input signatures moved during the warmup steps: {plan.unstable}"
+                self.machine.disable(f"shape_unstable: {plan.unstable}", detail=detail)
+            else:
+                self.machine.disable("no_targets", detail=f"no target module ran in a training step: {plan.skipped}")
+            return
+        why = f"its input signatures moved: {plan.unstable}" if plan.unstable else "no target ran in it"
+        rank_zero_warn(f"{self.component}: batch shape {describe_batch_key(batch)} stays eager: {why}")
+        self.uncapturable.add(batch)
+        self.recorder.forget(batch)
+        self.router.begin(StepRoute(fallback_reason=f"{change}; it cannot be captured: {why}"))
+
+    def _capture(
+        self, batch: tuple[Any, ...], plan: CapturePlan, outcome: ShapeOutcome, method: CaptureMethod | None
+    ) -> bool:
+        """Capture a graph set for ``batch`` with the targets' hooks stashed; on failure roll back (or raise)."""
+        settings = self.driver.settings
+        self.driver.before_capture()
+        started = time.perf_counter()
+        replan = lambda: self.recorder.plan(self.regions.left_out(), batch).calls  # noqa: E731
+        regions = self.narrowing.capture(plan.calls, replan, settings.warmup_iters, method)
+        if regions is None:
+            return False
+        for region in regions:
+            region.on_backward = self.router.on_backward
+        entries = {self.regions.index[region.name]: ReplayEntry(region) for region in regions}
+        self.graph_sets.add(batch, GraphSet(batch, entries, confirm_left=self.driver.config.confirm_steps))
+        if not settings.keep_samples:
+            self.recorder.forget(batch)
+        self.autocast = self.autocast or any(region.signature.autocast[0] for region in regions)
+        if not self.driver.count_capture(started, sum(len(s.entries) for s in self.graph_sets.values())):
+            return False
+        if self.narrowing.updated:
+            self.machine.rollback(
+                f"metric_in_graph: torchmetrics metric(s) {self.narrowing.updated} are updated inside a captured"
+                " region; a replay would not count their updates. Fix: update metrics in training_step or"
+                " on_train_batch_end from the step's outputs, outside the captured modules"
+            )
+            return False
+        held = f"; graphs hold {self.report.pool_mib:.1f} MiB" if settings.measure_pool else ""
+        evicted = f"; evicted batch {describe_batch_key(outcome.evicts)}" if outcome.evicts is not None else ""
+        rank_zero_info(
+            f"{self.component}: captured {len(regions)} region(s) for batch {describe_batch_key(batch)} in"
+            f" {self.report.capture_ms:.0f} ms{held}{evicted}"
+        )
+        return True

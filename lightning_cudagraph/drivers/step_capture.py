@@ -1,0 +1,110 @@
+"""The capture of one whole step: ``training_step``, backward and the optimizer step recorded into one graph.
+
+The capture runs ``training_step`` 's Python once. While it runs, the strategy's hooks hand the step's output here
+(:meth:`StepCapture.on_training_step_output`: the static output and the in-graph non-finite check). A capture that
+fails on any rank is dropped on every rank, and what its Python changed (metric states and counters, module
+attributes, generators) is put back, so the step can run again eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_cudagraph._lightning import step_loss
+from lightning_cudagraph.drivers.evidence import MetricUpdates
+from lightning_cudagraph.drivers.step_pieces import NonFiniteFlags, WholeStep
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.snapshot import TrainingState
+from lightning_cudagraph.stages import StageMachine
+
+
+class StepCapture:
+    """Captures whole steps on the backend and says what ran inside them.
+
+    Args:
+        backend: Captures.
+        machine: Agrees the outcome across ranks, and rolls back.
+        flags: The non-finite flags the captured step writes.
+
+    Example:
+        >>> capture = StepCapture(backend, machine, flags)  # doctest: +SKIP
+        >>> metrics = capture.capture(whole, run_step, module, before)  # doctest: +SKIP
+    """
+
+    def __init__(self, backend: CaptureBackend, machine: StageMachine, flags: NonFiniteFlags) -> None:
+        self.backend, self.machine, self.flags = backend, machine, flags
+        self._capturing: WholeStep | None = None
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the strategy's hooks are running inside a whole-step capture."""
+        return self._capturing is not None
+
+    def on_training_step_output(self, output: Any) -> None:
+        """While capturing: keep ``training_step`` 's output (static tensors) and add the non-finite check."""
+        whole = self._capturing
+        if whole is None:
+            return
+        whole.output = output
+        loss = step_loss(output)
+        if loss is not None:
+            self.flags.update(loss)
+
+    def capture(
+        self, whole: WholeStep, run_step: Callable[[], Any], module: Any, before: TrainingState
+    ) -> MetricUpdates | None:
+        """Capture ``run_step`` into ``whole.graph``; the metrics to check after, or ``None`` (failed, rolled back).
+
+        Args:
+            whole: Receives the graph, the output and the ``self.log`` calls.
+            run_step: Lightning's optimizer step (``training_step`` and backward run inside it).
+            module: The LightningModule (its metrics and logs).
+            before: Everything the step changes, copied before: put back when the capture is dropped.
+        """
+        metrics = MetricUpdates([("", module)])
+
+        def body() -> None:  # what the graph holds; its Python runs while capturing only
+            self._capturing = whole
+            try:
+                with whole.logs.recorded(module):
+                    run_step()
+            finally:
+                self._capturing = None
+
+        started = time.perf_counter()
+        error: Exception | None = None
+        try:
+            with self.backend.failure_guard():
+                whole.graph = self.backend.capture_step(body)
+        except Exception as err:  # roll back loudly (or raise); the step then runs eagerly
+            error = err
+        finally:
+            self.machine.report.capture_ms_total += (time.perf_counter() - started) * 1e3
+        if self.machine.agreement.all_ok(error is None):  # a rank whose capture worked drops it too
+            return metrics
+        if whole.graph is not None:
+            whole.graph.reset()
+            whole.graph = None
+        updated = metrics.changed()  # before the state (update counters included) is put back
+        before.restore()
+        if updated and error is not None:  # torchmetrics' own host syncs fail the capture: name the cause
+            self.machine.rollback(metric_in_graph(updated, f" (its capture failed: {error})"), error)
+        else:
+            error = error or RuntimeError("the capture failed on another rank")
+            self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)
+        return None
+
+    def release(self) -> None:
+        """Nothing is being captured any more."""
+        self._capturing = None
+
+
+def metric_in_graph(updated: list[str], failure: str = "") -> str:
+    """The rollback reason of torchmetrics metrics updated inside the captured ``training_step``."""
+    return (
+        f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside the captured training_step{failure};"
+        " a replay would not count their updates. Fix: update them in on_train_batch_end from the step's outputs,"
+        " or use a scoped capture (scope=['layer'])"
+    )

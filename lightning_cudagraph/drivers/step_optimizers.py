@@ -1,0 +1,78 @@
+"""The optimizers of a captured whole step: capturable for the fit, their baked-in settings watched, given back.
+
+The whole step captures the optimizer's kernels too, so each optimizer is switched to its capturable form once, at
+the start of the fit (its arithmetic never changes mid-run). A graph bakes in every setting but ``lr``: a setting
+that moves after the capture is a rollback reason. Checkpoints keep the optimizers as the user built them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_cudagraph.graphs.backend import CaptureBackend, PreparedOptimizer
+from lightning_cudagraph.graphs.optimizers import OptimizerSettings
+
+
+class StepOptimizers:
+    """The optimizers one whole-step driver prepared, and their settings when graphs were captured (or at start).
+
+    Args:
+        backend: Makes each optimizer capturable.
+
+    Example:
+        >>> optimizers = StepOptimizers(backend)  # doctest: +SKIP
+        >>> optimizers.prepare(trainer.optimizers[0]); optimizers.settings_problem() is None  # doctest: +SKIP
+        True
+    """
+
+    def __init__(self, backend: CaptureBackend) -> None:
+        self._backend = backend
+        self.prepared: dict[int, PreparedOptimizer] = {}
+        #: The optimizers as the user holds them, and their settings when graphs were captured (or at start).
+        self.user: list[torch.optim.Optimizer] = []
+        self._settings: dict[int, OptimizerSettings] = {}
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
+        """Switch ``optimizer`` to its capturable form, once for the fit."""
+        if id(optimizer) not in self.prepared:
+            self.prepared[id(optimizer)] = self._backend.prepare_optimizer(optimizer)
+            self.user.append(optimizer)
+            self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
+
+    def settings_problem(self) -> str | None:
+        """A rollback reason when an optimizer setting a graph bakes in (all but ``lr``) moved since capture."""
+        for optimizer in self.user:
+            change = self._settings[id(optimizer)].change(OptimizerSettings.of(optimizer))
+            if change is not None:
+                return (
+                    f"optimizer_setting_changed: {type(optimizer).__name__} {change} after the whole step was"
+                    " captured; a graph replays the optimizer with the settings it was captured with (only lr is"
+                    " read from the device). Fix: keep it fixed (OneCycleLR/CyclicLR(cycle_momentum=False)), or"
+                    " use a scoped capture (scope=['layer']), whose optimizer runs eagerly"
+                )
+        return None
+
+    def captured(self) -> None:
+        """A graph was captured: its settings are what later steps are held to."""
+        for optimizer in self.user:
+            self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
+
+    def refresh(self) -> None:
+        """Before a replay: take user-assigned hyperparameters (``lr``) into the captured state (no host sync)."""
+        for optimizer in self.prepared.values():
+            optimizer.refresh()
+
+    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
+        """Rewrite the saved optimizer states into the form the user built the optimizers in."""
+        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            prepared = self.prepared.get(id(optimizer))
+            if prepared is not None:
+                prepared.plain_state_dict(state)
+
+    def restore(self) -> None:
+        """Give every optimizer back as it was built (idempotent)."""
+        prepared, self.prepared = list(self.prepared.values()), {}
+        for optimizer in prepared:
+            optimizer.restore()

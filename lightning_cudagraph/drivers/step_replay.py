@@ -1,0 +1,115 @@
+"""Replays of a captured whole step, and the checks of them: shadow steps against eager, the non-finite counter.
+
+A replay refreshes the optimizers' learning rates, runs the graph, and hands Lightning a copy of the step's output
+with the captured ``self.log`` calls re-issued. A shadow step (:mod:`lightning_cudagraph.drivers.shadow`) runs on
+every capture and every ``audit_every_n_steps`` replayed steps. The graph counts non-finite losses on the device;
+:meth:`StepReplays.check_finite` reads the count once per log interval.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_cudagraph._lightning import set_closure_result, step_loss
+from lightning_cudagraph.drivers.shadow import compare
+from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
+from lightning_cudagraph.drivers.step_pieces import NonFiniteFlags, WholeStep
+from lightning_cudagraph.snapshot import TrainingState
+from lightning_cudagraph.stages import StageMachine
+
+
+class StepReplays:
+    """Replays captured whole steps, and audits them with shadow steps.
+
+    Args:
+        machine: Rolls back when a shadow step disagrees.
+        optimizers: Refreshed before each replay.
+        flags: The captured step's non-finite flags (the step number is written before each replay).
+        audit_every: ``audit_every_n_steps`` (``None`` or 0: no audit after confirmation).
+
+    Example:
+        >>> replays = StepReplays(machine, optimizers, flags, audit_every=None)  # doctest: +SKIP
+        >>> output = replays.replay(whole, trainer, closure, module)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, machine: StageMachine, optimizers: StepOptimizers, flags: NonFiniteFlags, audit_every: int | None
+    ) -> None:
+        self.machine, self.optimizers, self.flags = machine, optimizers, flags
+        self.report = machine.report
+        self._audit_every = audit_every or 2**62
+        self._since_audit = 0
+        #: The first step the next non-finite check covers.
+        self.checked_until = 0
+
+    def audit_due(self) -> bool:
+        """Count a replayed step; whether it is the one to check with a shadow step."""
+        self._since_audit += 1
+        return self._since_audit >= self._audit_every
+
+    def replay(self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any, reissue: bool = True) -> Any:
+        """Replay ``whole`` on its static batch; with ``reissue``, hand Lightning the output and the logs."""
+        self.optimizers.refresh()
+        self.flags.current_step.fill_(trainer.global_step)
+        if whole.graph is None:
+            raise RuntimeError("a whole step replays only once it is captured")
+        whole.graph.replay()
+        self.report.replays += 1
+        self.report.steps_replayed += 1
+        output = whole.output_copy()
+        if reissue:
+            set_closure_result(closure, output, trainer.accumulate_grad_batches)
+            whole.logs.reissue(module)
+        whole.confirm_left -= 1
+        return output
+
+    def shadow(
+        self,
+        whole: WholeStep,
+        trainer: pl.Trainer,
+        closure: Any,
+        run_step: Callable[[], Any],
+        module: Any,
+        state: TrainingState,
+    ) -> Any:
+        """Check the graph against the eager step from the same state on the same batch; train on the eager one.
+
+        The graph replays first, from ``state`` (a copy of everything the step changes); its loss and parameters
+        are kept, the copy is put back, and the step runs eagerly: that is the step training keeps, so a graph that
+        fails the check never touched the weights. One host sync, for the decision.
+        """
+        whole.shadowed, self._since_audit = True, 0
+        graphed = self.replay(whole, trainer, closure, module, reissue=False)
+        graph_loss, graph_params = step_loss(graphed), state.parameters_now()
+        state.restore()
+        output = run_eagerly(run_step)
+        state.keep_gradient_buffers()
+        verdict = compare(trainer, state, graph_params, graph_loss, step_loss(output))
+        self.report.audits += 1
+        previous = self.report.parity_err
+        self.report.parity_err = verdict.error if math.isnan(previous) else max(previous, verdict.error)
+        if not verdict.passed:
+            self.machine.rollback(verdict.reason(trainer.global_step))
+        return output
+
+    def check_finite(self, step: int) -> None:
+        """Read the in-graph non-finite counter (one host sync); roll back every rank if one saw a non-finite loss."""
+        count, first = self.flags.read_and_clear()
+        since, self.checked_until = self.checked_until, step
+        if count:
+            self.report.nonfinite.append((first, count))
+        if self.machine.agreement.any_of([count > 0])[0]:  # every rank rolls back, or none
+            where = f"first at step {first}" if count else "on another rank"
+            self.machine.rollback(f"nonfinite_loss: {count} non-finite loss(es) in steps {since}-{step - 1}, {where}")
+
+
+def run_eagerly(run_step: Callable[[], Any]) -> Any:
+    """Run an optimizer step eagerly; the optimizer is capturable, which PyTorch would warn about on every fit."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")
+        return run_step()
