@@ -188,7 +188,7 @@ class _TruncatesOnOddSteps(DecoderModule):
 def test_inputs_that_move_within_one_batch_shape_keep_graphs_off_and_say_which():
     backend = FakeBackend()
     callback = graphed(backend)
-    with pytest.warns(UserWarning, match="input signatures moved during warmup"):
+    with pytest.warns(UserWarning, match="input signatures moved during the warmup steps"):
         run = fit(*decoder(TINY, module=_TruncatesOnOddSteps), 5, [callback], **CPU)
     reason = callback.report.reason
     assert reason.startswith("shape_unstable: model.blocks.0: input 0: float32[8, 16, 32]"), reason
