@@ -4,9 +4,9 @@
     python benchmarks/report.py DIR                  # DIR/RESULTS.md and its charts, from the JSON under DIR
     python benchmarks/report.py --no-charts
 
-Every figure and ratio is computed from the measurements in the JSON; nothing here holds a figure of its own. A
-record names its kind (``table``, ``sweep``, ``auto``, ``compile``, ``hf``, ``logging``, ``shapes``, ``audit``,
-``zoo``); records written before kinds existed are known by their file's name.
+Every figure and ratio is computed from the JSON; nothing here holds a figure of its own. A record names its kind
+(``table``, ``sweep``, ``auto``, ``compile``, ``hf``, ``logging``, ``shapes``, ``audit``, ``zoo``); older records are
+known by their file's name.
 """
 
 from __future__ import annotations
@@ -54,19 +54,13 @@ LABELS = {
     "te_layer": '`impl="transformer_engine"`, `scope=["layer"]`',
     "thunder": "Thunder (`CUDAGraphTransform`)",
 }
-#: The hand-written capture each package variant is compared with.
+#: The hand-written capture each package variant is compared with (the scoped ones: ``handwritten_layer``).
 HANDWRITTEN = {"full_iteration": "pytorch_full_graph", "eager": "pytorch_eager"}
-README_ROWS: tuple[str, ...] = (
-    "eager",
-    "attn",
-    "attn+mlp",
-    "layer",
-    "full_iteration",
-    "handwritten_layer",
-    "pytorch_block_graphs",
-)
+SCOPED = ("attn", "mlp", "attn+mlp", "layer", "te_layer", "moe_router+preprocess")
+README_ROWS = ("eager", "attn", "attn+mlp", "layer", "full_iteration", "handwritten_layer", "pytorch_block_graphs")
 README_ROWS += ("pytorch_full_graph",)
 ZOO_FAILURES = ("graphs-WRONG", "eager-SILENT", "state-WRONG", "error")
+Bar = tuple[str, float, float, float, float | None]  # variant, median, p25, p75, speedup over eager
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -75,24 +69,23 @@ def load(results: Path) -> list[dict[str, Any]]:
     records = []
     for path in sorted(results.rglob("*.json")):
         record = json.loads(path.read_text())
-        if not isinstance(record, dict):
-            continue
-        kind = record.get("kind") or path.stem.split("_")[0]
-        name = path.resolve().relative_to(REPO) if path.resolve().is_relative_to(REPO) else path.relative_to(results)
-        records.append({**record, "kind": kind, "file": str(name), "dir": path.parent})
+        if isinstance(record, dict):
+            inside = path.resolve().is_relative_to(REPO)
+            name = path.resolve().relative_to(REPO) if inside else path.relative_to(results)
+            records.append({**record, "kind": record.get("kind") or path.stem.split("_")[0], "file": str(name)})
+            records[-1]["dir"] = path.parent
     return records
 
 
 def of_kind(records: Sequence[dict[str, Any]], kind: str, top: Path | None = None) -> list[dict[str, Any]]:
     """The records of one kind (directly in ``top`` only, when given), small configs and fp32 first."""
-    chosen = [r for r in records if r["kind"] == kind and (top is None or r["dir"] == top)]
     rank = {p: i for i, p in enumerate(PRECISIONS)}
-    key: Callable[[dict[str, Any]], tuple[Any, ...]] = lambda r: (  # noqa: E731
-        ORDER.index(r["config"]) if r.get("config") in ORDER else 9,
-        rank.get(r.get("precision", ""), 9),
-        r["file"],
-    )
-    return sorted(chosen, key=key)
+    chosen = [r for r in records if r["kind"] == kind and (top is None or r["dir"] == top)]
+    return sorted(
+        chosen,
+        key=lambda r: (ORDER.index(r["config"]) if r.get("config") in ORDER else 9, rank.get(r.get("precision", ""), 9),
+                       r["file"]),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- cells
@@ -124,23 +117,21 @@ def label(variant: str) -> str:
     return LABELS.get(variant, f"`{variant}`")
 
 
+def precision(record: dict[str, Any]) -> str:
+    return PRECISIONS.get(record["precision"], record["precision"])
+
+
 def by_variant(results: Sequence[dict[str, Any]], batch: int | None = None) -> dict[str, dict[str, Any]]:
     return {r["variant"]: r for r in results if batch is None or r.get("batch_size") == batch}
 
 
-def ms(results: dict[str, dict[str, Any]], variant: str) -> float | None:
-    return (results.get(variant) or {}).get("median_ms")
+def ms(results: dict[str, dict[str, Any]], variant: str | None) -> float | None:
+    return (results.get(variant or "") or {}).get("median_ms")
 
 
 def baseline(results: dict[str, dict[str, Any]]) -> str:
     """The variant speedups divide: eager Lightning, or the eager TE model in a Transformer Engine run."""
     return "te_eager" if "eager" not in results and "te_eager" in results else "eager"
-
-
-def reference_of(variant: str) -> str | None:
-    """The hand-written capture a package variant is compared with."""
-    scoped = variant in ("attn", "mlp", "attn+mlp", "layer", "te_layer", "moe_router+preprocess")
-    return "handwritten_layer" if scoped else HANDWRITTEN.get(variant)
 
 
 def env_line(record: dict[str, Any]) -> str:
@@ -166,31 +157,30 @@ def report_note(result: dict[str, Any]) -> str:
     return cell("; ".join(filter(None, parts)))
 
 
+def chart_line(alt: str, chart: str | None) -> str:
+    return f"![{alt}]({chart})\n\n" if chart else ""
+
+
 # ---------------------------------------------------------------------------------------------------- sections
 def readme_section(records: Sequence[dict[str, Any]], top: Path) -> str:
     """The one results table of the README: the small GPT in fp32 and bf16-mixed, and the zoo's summary line."""
     runs = [r for r in of_kind(records, "table", top) if r["config"] == "small" and not r["file"].endswith("_te.json")]
     if not runs:
         return ""
-    header = ["variant"]
-    for run in runs:
-        header += [f"{PRECISIONS.get(run['precision'], run['precision'])} ms/step", "vs eager"]
-    rows = []
-    for variant in README_ROWS:
-        row = [label(variant)]
-        for run in runs:
-            results = by_variant(run["results"])
-            row += [num(ms(results, variant)), times(ratio(ms(results, "eager"), ms(results, variant)))]
-        rows.append(row)
-    first = runs[0]
-    text = (
-        "## README table\n\n"
-        f"Small GPT ({first['model']['n_layer']} layers, width {first['model']['width']}, sequence"
-        f" {first['model']['seq_len']}, batch {first['batch_size']}), median ms per step; n/a: not measured in that"
-        f" precision. Sources: {', '.join('`' + r['file'] + '`' for r in runs)}.\n\n" + table(header, rows)
+    header = ["variant", *(h for run in runs for h in (f"{precision(run)} ms/step", "vs eager"))]
+    found = [by_variant(run["results"]) for run in runs]
+    rows = [
+        [label(v), *(c for f in found for c in (num(ms(f, v)), times(ratio(ms(f, "eager"), ms(f, v)))))]
+        for v in README_ROWS
+    ]
+    model, zoo = runs[0]["model"], of_kind(records, "zoo")
+    return (
+        f"## README table\n\nSmall GPT ({model['n_layer']} layers, width {model['width']}, sequence"
+        f" {model['seq_len']}, batch {runs[0]['batch_size']}), median ms per step; n/a: not measured in that"
+        f" precision. Sources: {', '.join('`' + r['file'] + '`' for r in runs)}.\n\n"
+        + table(header, rows)
+        + ("\n" + zoo_summary(zoo[0]) + "\n" if zoo else "")
     )
-    zoo = of_kind(records, "zoo")
-    return text + ("\n" + zoo_summary(zoo[0]) + "\n" if zoo else "")
 
 
 def run_section(run: dict[str, Any], chart: str | None) -> str:
@@ -200,25 +190,18 @@ def run_section(run: dict[str, Any], chart: str | None) -> str:
     title = f"{run['config']}{', Transformer Engine GPT' if run['file'].endswith('_te.json') else ''}"
     rows = []
     for r in run["results"]:
-        reference = reference_of(r["variant"])
-        report = r.get("report") or {}
+        reference = "handwritten_layer" if r["variant"] in SCOPED else HANDWRITTEN.get(r["variant"])
         rows.append([
-            label(r["variant"]),
-            num(r.get("median_ms"), 3),
-            f"{num(r.get('p25_ms'))}-{num(r.get('p75_ms'))}",
+            label(r["variant"]), num(r.get("median_ms"), 3), f"{num(r.get('p25_ms'))}-{num(r.get('p75_ms'))}",
             times(ratio(base, r.get("median_ms"))),
             times(ratio(ms(results, reference), r.get("median_ms"))) if reference else "",
-            num(r.get("peak_mib"), 0),
-            num(r.get("pool_mib", report.get("pool_mib")), 0),
-            num(r.get("capture_ms"), 0),
-            num(r.get("final_loss"), 4),
-            report_note(r),
+            num(r.get("peak_mib"), 0), num(r.get("pool_mib", (r.get("report") or {}).get("pool_mib")), 0),
+            num(r.get("capture_ms"), 0), num(r.get("final_loss"), 4), report_note(r),
         ])  # fmt: skip
     header = ["variant", "ms/step", "p25-p75", "vs eager", "vs hand-written", "peak MiB", "pool MiB", "capture ms"]
-    chart_line = f"![ms/step per variant, {title}, {run['precision']}]({chart})\n\n" if chart else ""
     return (
-        f"### {title}, {PRECISIONS.get(run['precision'], run['precision'])}, batch {run.get('batch_size')}\n\n"
-        + chart_line
+        f"### {title}, {precision(run)}, batch {run.get('batch_size')}\n\n"
+        + chart_line(f"ms/step per variant, {title}, {run['precision']}", chart)
         + table([*header, "final loss", "note"], rows, "lrrrrrrrrl")
         + "\n"
         + env_line(run)
@@ -228,28 +211,30 @@ def run_section(run: dict[str, Any], chart: str | None) -> str:
 def sweep_section(run: dict[str, Any], chart: str | None) -> str:
     """A batch-size sweep: speedup over eager per batch size."""
     variants = list(dict.fromkeys(r["variant"] for r in run["results"]))
+    graphs = [v for v in variants if v != "eager"]
     rows = []
     for batch in sorted({r["batch_size"] for r in run["results"]}):
-        results = by_variant(run["results"], batch)
-        rows.append([
-            str(batch),
-            *(num(ms(results, v), 3) for v in variants),
-            *(times(ratio(ms(results, "eager"), ms(results, v))) for v in variants if v != "eager"),
-        ])  # fmt: skip
-    header = ["batch", *(f"{v} ms" for v in variants), *(f"{v} vs eager" for v in variants if v != "eager")]
-    chart_line = f"![speedup over eager Lightning vs batch size]({chart})\n\n" if chart else ""
-    title = f"### Batch-size sweep: {run['config']}, {PRECISIONS.get(run['precision'], run['precision'])}\n\n"
-    return title + chart_line + table(header, rows) + "\n" + env_line(run)
+        found = by_variant(run["results"], batch)
+        speedups = (times(ratio(ms(found, "eager"), ms(found, v))) for v in graphs)
+        rows.append([str(batch), *(num(ms(found, v), 3) for v in variants), *speedups])
+    header = ["batch", *(f"{v} ms" for v in variants), *(f"{v} vs eager" for v in graphs)]
+    return (
+        f"### Batch-size sweep: {run['config']}, {precision(run)}\n\n"
+        + chart_line("speedup over eager Lightning vs batch size", chart)
+        + table(header, rows)
+        + "\n"
+        + env_line(run)
+    )
 
 
 def variants_table(results: Sequence[dict[str, Any]]) -> str:
     """Every variant of one model: ms/step, speedup, loss parity, compile time, kernels, every round, the note."""
     rows = []
     for r in results:
-        kernels, report = r.get("kernels") or {}, r.get("report") or {}
+        kernels = r.get("kernels") or {}
         rows.append([
-            label(r["variant"]), num(r.get("median_ms")), times(r.get("speedup")), report.get("level") or "",
-            num(r.get("loss_max_abs_diff"), None), num(r.get("compile_s"), 1),
+            label(r["variant"]), num(r.get("median_ms")), times(r.get("speedup")), (r.get("report") or {}).get("level")
+            or "", num(r.get("loss_max_abs_diff"), None), num(r.get("compile_s"), 1),
             f"{num(kernels['kernel_ms'])} ({num(kernels['floor_ms'])})" if kernels else "",
             " / ".join(num(ms) for ms in r.get("round_ms", [])), report_note(r),
         ])  # fmt: skip
@@ -265,12 +250,10 @@ def auto_section(record: dict[str, Any]) -> str:
         results = by_variant(measured["results"])
         found = {(e["variant"], e["against"]): e for e in measured["ratios"]}
         best, scope = found.get((both[0], "best fixed"), {}), found.get((both[1], "best fixed scope"), {})
-        cost = measured.get("cost") or {}
-        climb, whole = (finite(cost.get(key)) for key in ("climb_cost", "cost"))
+        climb, whole = (finite((measured.get("cost") or {}).get(key)) for key in ("climb_cost", "cost"))
         reports = [results.get(v, {}).get("report") or {} for v in both]
         summary.append([
-            model,
-            f"{times(best.get('ratio'))} (`{best.get('reference')}`)",
+            model, f"{times(best.get('ratio'))} (`{best.get('reference')}`)",
             f"{times(scope.get('ratio'))} (`{scope.get('reference')}`)",
             " / ".join(times(results.get(v, {}).get("speedup")) for v in both),
             " / ".join(r.get("level") or "eager" for r in reports),
@@ -280,8 +263,10 @@ def auto_section(record: dict[str, Any]) -> str:
             [row["level"], row["status"], num(row.get("step_ms")), num(row.get("capture_ms"), 0), str(row["steps"])]
             for row in reports[0].get("ladder", [])
         ]
-        ladders.append(f"#### {model}\n\n" + variants_table(measured["results"]) + f"\nLadder of {label(both[0])}:\n\n")
-        ladders[-1] += table(["level", "status", "ms/step", "capture ms", "steps"], rows, "llrrr")
+        ladders.append(
+            f"#### {model}\n\n{variants_table(measured['results'])}\nLadder of {label(both[0])}:\n\n"
+            + table(["level", "status", "ms/step", "capture ms", "steps"], rows, "llrrr")
+        )
     head = ["model", f"{label(both[0])} vs best fixed", f"{label(both[1])} vs best fixed scope"]
     head += [
         "auto vs eager (strategy / callback)",
@@ -295,7 +280,7 @@ def auto_section(record: dict[str, Any]) -> str:
         " as a share of the fit (the whole fits' difference in brackets).\n\n"
     )
     body = intro + table(head, summary, "lrrrlr") + "\n" + "\n".join(ladders)
-    return f"### {PRECISIONS.get(record['precision'])}\n\n{body}\n{env_line(record)}"
+    return f"### {precision(record)}\n\n{body}\n{env_line(record)}"
 
 
 LIMITS = {
@@ -306,13 +291,12 @@ LIMITS = {
 
 
 def compile_ratio(entry: dict[str, Any] | None) -> str:
-    """A ratio of ``benchmarks/compile.py`` with what limits it where it missed its goal."""
+    """A ratio of ``benchmarks/compile.py``, bold where it met its goal, else with what limits it."""
     if entry is None:
         return NA
-    text = times(entry.get("ratio"))
+    text, limit = times(entry.get("ratio")), entry.get("limit")
     if entry.get("met"):
         return f"**{text}**"
-    limit = entry.get("limit")
     return f"{text}, {LIMITS[limit].format(**entry)}" if limit in LIMITS else text
 
 
@@ -324,13 +308,10 @@ def compile_section(record: dict[str, Any], chart: str | None) -> str:
         compiled = by_variant(measured["results"]).get("full_iteration+compile") or {}
         peers = ("full_iteration", "compile_reduce_overhead", "thunder")
         rows.append([
-            f"{model} GPT",
-            *(compile_ratio(found.get(("full_iteration+compile", peer))) for peer in peers),
-            compile_ratio(found.get(("layer+compile", "layer"))),
-            num(compiled.get("compile_s"), 1),
+            f"{model} GPT", *(compile_ratio(found.get(("full_iteration+compile", peer))) for peer in peers),
+            compile_ratio(found.get(("layer+compile", "layer"))), num(compiled.get("compile_s"), 1),
         ])  # fmt: skip
     head = ["model", "vs `cudagraph_full`", "vs reduce-overhead", "vs Thunder", "`layer` + compile vs `layer`"]
-    chart_line = f"![ms per step, {record['precision']}]({chart})\n\n" if chart else ""
     intro = (
         "Speed ratios of `cudagraph_full` + `compile=True` (and `layer` + `compile=True`), each variant at its fastest"
         f" of {record['rounds']} alternated fits, median over the last {record['timed']} of {record['steps']} steps;"
@@ -338,39 +319,36 @@ def compile_section(record: dict[str, Any], chart: str | None) -> str:
         " they are.\n\n"
     )
     details = "".join(f"\n#### {m} GPT\n\n" + variants_table(got["results"]) for m, got in record["models"].items())
-    body = intro + table([*head, "compile s"], rows, "lrrrrr") + "\n" + chart_line + details
-    return f"### {PRECISIONS.get(record['precision'])}\n\n{body}{env_line(record)}"
+    body = intro + table([*head, "compile s"], rows, "lrrrrr") + "\n"
+    body += chart_line(f"ms per step, {record['precision']}", chart) + details
+    return f"### {precision(record)}\n\n{body}{env_line(record)}"
 
 
 def hf_section(record: dict[str, Any]) -> str:
     """``benchmarks/hf.py``: the Hugging Face models per variant."""
-    variants = ["attn", "attn+mlp / moe_router", "layer", "full_iteration"]
     rows = []
     for model, measured in record["models"].items():
         results = measured["results"]
-        eager = by_variant(results).get("eager", {})
-        others = [r for r in results if r["variant"] != "eager"]
         cells = [
-            times(r.get("speedup")) if not (r.get("report") or {}).get("rollback_reasons") else "rolled back"
-            for r in others
+            "rolled back" if (r.get("report") or {}).get("rollback_reasons") else times(r.get("speedup"))
+            for r in results
+            if r["variant"] != "eager"
         ]
         parity = max((r.get("loss_max_abs_diff") or 0.0 for r in results), default=None)
-        rows.append([f"`{model}`", num(eager.get("median_ms")), *cells, f"<= {num(parity, None)}"])
+        rows.append([f"`{model}`", num(ms(by_variant(results), "eager")), *cells, f"<= {num(parity, None)}"])
+    variants = ("attn", "attn+mlp / moe_router", "layer", "full_iteration")
     return table(["model", "eager ms", *(f"`{v}`" for v in variants), "loss parity"], rows) + "\n" + env_line(record)
 
 
 def logging_section(record: dict[str, Any]) -> str:
     """``benchmarks/logging_cost.py``: direct re-issue of logged values against ``self.log`` every step."""
     rows = [
-        [row["case"], f"{num(row['direct']['ms'], 3)} ({num(row['direct']['host_ms'])})",
-         f"{num(row['self.log']['ms'], 3)} ({num(row['self.log']['host_ms'])})", times(row["ratio"])]
+        [row["case"], *(f"{num(row[way]['ms'], 3)} ({num(row[way]['host_ms'])})" for way in ("direct", "self.log")),
+         times(row["ratio"])]
         for row in record["cases"]
     ]  # fmt: skip
-    return (
-        table(["case", "direct ms (host ms)", "through `self.log` ms (host ms)", "speedup"], rows)
-        + "\n"
-        + env_line(record)
-    )
+    head = ["case", "direct ms (host ms)", "through `self.log` ms (host ms)", "speedup"]
+    return table(head, rows) + "\n" + env_line(record)
 
 
 def shapes_section(record: dict[str, Any]) -> str:
@@ -384,16 +362,14 @@ def shapes_section(record: dict[str, Any]) -> str:
             pools = times(ratio(var["pool_mib"], fix["pool_mib"]))
             rows.append([
                 model, "`layer`" if variant == "layer" else "`cudagraph_full`", times(speed_var), times(speed_fix),
-                num(ratio(speed_var, speed_fix)),
-                f"{num(var['pool_mib'], 0)} / {num(fix['pool_mib'], 0)} ({pools})",
+                num(ratio(speed_var, speed_fix)), f"{num(var['pool_mib'], 0)} / {num(fix['pool_mib'], 0)} ({pools})",
                 f"{100 * var['replayed_after_skip']:.1f}%",
                 num(max_abs_diff(var["losses"][:20], results["eager/variable"]["losses"][:20]), None),
             ])  # fmt: skip
     head = ["model", "variant", "speedup, variable", "speedup, fixed", "ratio", "pool MiB, buckets / one"]
+    head += ["steps replayed after every bucket's capture", "loss diff, 20 steps"]
     intro = f"Buckets {record['buckets']}; fixed length {record['fixed_length']}. Source: `{record['file']}`.\n\n"
-    return intro + table(
-        [*head, "steps replayed after every bucket's capture", "loss diff, 20 steps"], rows, "llrrrrrr"
-    )
+    return intro + table(head, rows, "llrrrrrr")
 
 
 def audit_section(record: dict[str, Any]) -> str:
@@ -404,13 +380,8 @@ def audit_section(record: dict[str, Any]) -> str:
         for r in record["scopes"]
     ]  # fmt: skip
     head = ["scope", "fit s, no audits", "fit s, audited (audits)", "ms per audit", "ms per step"]
-    share = f"share of a 1000-step fit at every {record['default_every']} steps"
-    return (
-        f"{record['steps']} steps, an audit every {record['every']}.\n\n"
-        + table([*head, share], rows)
-        + "\n"
-        + env_line(record)
-    )
+    head.append(f"share of a 1000-step fit at every {record['default_every']} steps")
+    return f"{record['steps']} steps, an audit every {record['every']}.\n\n{table(head, rows)}\n{env_line(record)}"
 
 
 def zoo_summary(record: dict[str, Any]) -> str:
@@ -418,11 +389,8 @@ def zoo_summary(record: dict[str, Any]) -> str:
     runs = [(e["entry"], run) for e in record["entries"] for run in e.get("runs", [])]
     counts = Counter(run["class"] for _, run in runs)
     speedups = [run["speedup"] for _, run in runs if run["class"] == "graphs-ok" and run.get("speedup")]
-    broken = [
-        f"{entry} through {run['label']} ({run['class']}, off: {', '.join(run['off'])})"
-        for entry, run in runs
-        if run["class"] in ZOO_FAILURES
-    ]
+    broken = [f"{entry} through {run['label']} ({run['class']}, off: {', '.join(run['off'])})"
+              for entry, run in runs if run["class"] in ZOO_FAILURES]  # fmt: skip
     spread = f" at {min(speedups):.2f}-{max(speedups):.2f}x eager" if speedups else ""
     line = (
         f"Model zoo: {len(record['entries'])} real models and training patterns, {len(runs)} runs against eager"
@@ -442,14 +410,17 @@ def zoo_cell(run: dict[str, Any] | None) -> str:
 
 
 def zoo_section(record: dict[str, Any]) -> str:
-    """``benchmarks/zoo.py``: one row per entry, one cell per package variant (class and speedup)."""
-    runs = [run for entry in record["entries"] for run in entry.get("runs", [])]
-    labels = {run["variant"]: run["label"] for run in runs}
+    """``zoo/run.py``: one row per entry, one cell per package variant (class and speedup)."""
+    labels = {run["variant"]: run["label"] for entry in record["entries"] for run in entry.get("runs", [])}
     rows = []
     for entry in record["entries"]:
         found = by_variant(entry.get("runs", []))
-        cells = ["skipped" if "skipped" in entry else zoo_cell(found.get(v)) for v in labels]
-        rows.append([cell(entry["patterns"], 80), *cells])
+        rows.append(
+            [
+                cell(entry["patterns"], 80),
+                *("skipped" if "skipped" in entry else zoo_cell(found.get(v)) for v in labels),
+            ]
+        )
     header = ["entry", *(f"`{text}`" for text in labels.values())]
     return f"{zoo_summary(record)}\n\n{table(header, rows, 'l' * len(header))}\n{env_line(record)}"
 
@@ -464,16 +435,35 @@ def _pyplot() -> Any:
     return plt
 
 
-def bars(rows: Sequence[tuple[str, float, float, float, float | None]], title: str, path: Path) -> Path:
+def color(variant: str) -> str:
+    """Grey for eager, orange for code without the package, green for compiled, blue for the package."""
+    if variant.endswith("eager"):
+        return "tab:gray"
+    if any(word in variant for word in ("pytorch", "hand", "thunder")):
+        return "tab:orange"
+    return "tab:green" if "compile" in variant else "tab:blue"
+
+
+def bar_rows(results: Sequence[dict[str, Any]]) -> list[Bar]:
+    """One bar per measured variant (missing quartiles: the median)."""
+    found = by_variant(results)
+    base, rows = ms(found, baseline(found)), []
+    for r in results:
+        if (median := finite(r.get("median_ms"))) is not None:
+            rows.append(
+                (r["variant"], median, r.get("p25_ms") or median, r.get("p75_ms") or median, ratio(base, median))
+            )
+    return rows
+
+
+def bars(rows: Sequence[Bar], title: str, path: Path) -> Path:
     """Horizontal bars of ms/step with p25-p75 whiskers, labelled with the speedup over eager."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
     positions = range(len(rows))
-    values = [row[1] for row in rows]
-    low = [max(0.0, row[1] - row[2]) for row in rows]
     high = [max(0.0, row[3] - row[1]) for row in rows]
-    colors = [color(row[0]) for row in rows]
-    ax.barh(positions, values, xerr=[low, high], color=colors, capsize=3)
+    ax.barh(positions, [row[1] for row in rows], xerr=[[max(0.0, row[1] - row[2]) for row in rows], high],
+            color=[color(row[0]) for row in rows], capsize=3)  # fmt: skip
     for position, row, above in zip(positions, rows, high, strict=True):
         if row[4] is not None:
             ax.text(row[1] + above, position, f"  {row[4]:.2f}x", va="center", fontsize=8)
@@ -485,49 +475,23 @@ def bars(rows: Sequence[tuple[str, float, float, float, float | None]], title: s
     return save(fig, path)
 
 
-def color(variant: str) -> str:
-    """Grey for eager, orange for code without the package, green for compiled, blue for the package."""
-    if variant.endswith("eager"):
-        return "tab:gray"
-    if any(word in variant for word in ("pytorch", "hand", "thunder")):
-        return "tab:orange"
-    return "tab:green" if "compile" in variant else "tab:blue"
-
-
-def bar_rows(results: Sequence[dict[str, Any]]) -> list[tuple[str, float, float, float, float | None]]:
-    found = by_variant(results)
-    base = ms(found, baseline(found))
-    rows = []
-    for r in results:
-        median = finite(r.get("median_ms"))
-        if median is not None:
-            rows.append(
-                (r["variant"], median, r.get("p25_ms") or median, r.get("p75_ms") or median, ratio(base, median))
-            )
-    return rows
-
-
-def sweep_chart(run: dict[str, Any], path: Path) -> Path:
+def sweep_chart(run: dict[str, Any], title: str, path: Path) -> Path:
     """Speedup over eager Lightning vs batch size (log2 axis) for every graph variant of a sweep."""
     plt = _pyplot()
     batches = sorted({r["batch_size"] for r in run["results"]})
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for variant in dict.fromkeys(r["variant"] for r in run["results"]):
-        points = [
-            (b, ratio(ms(by_variant(run["results"], b), "eager"), ms(by_variant(run["results"], b), variant)))
-            for b in batches
-        ]
-        points = [(b, s) for b, s in points if s is not None]
+        found = [(b, by_variant(run["results"], b)) for b in batches]
+        points = [(b, s) for b, f in found if (s := ratio(ms(f, "eager"), ms(f, variant))) is not None]
         if variant != "eager" and points:
-            ax.plot(
-                *zip(*points, strict=True), "--" if variant.startswith("pytorch") else "-", marker="o", label=variant
-            )
+            style = "--" if variant.startswith("pytorch") else "-"
+            ax.plot(*zip(*points, strict=True), style, marker="o", label=variant)
     ax.axhline(1.0, color="grey", linewidth=1, label="eager (1.0)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size")
     ax.set_ylabel("speedup over eager Lightning")
-    ax.set_title(f"Where graphs stop paying: {run['config']}, {PRECISIONS.get(run['precision'])}", fontsize=10)
+    ax.set_title(f"Where graphs stop paying: {title}", fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     return save(fig, path)
@@ -542,34 +506,29 @@ def save(fig: Any, path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------- the document
+#: Kind: (heading, command, section). The compile section also draws a chart, so ``render`` writes it.
 SECTIONS: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
-    "auto": ('`scope="auto"`: the ladder against every fixed scope', "auto.py --steps 160 --timed 60", auto_section),
-    "compile": ("Compiled kernels inside the graphs: `compile=True` against the peers", "compile.py", lambda r: ""),
-    "logging": ("Logged values on replayed steps", "logging_cost.py", logging_section),
-    "hf": ("Hugging Face models", "hf.py", hf_section),
-    "shapes": ("Batches whose shape changes", "shapes.py", shapes_section),
-    "audit": ("The numerics guard: what an audit costs", "audit_cost.py", audit_section),
-    "zoo": ("Real training code: the model zoo", "zoo.py", zoo_section),
-}
-
-
-def compile_bars(record: dict[str, Any]) -> list[tuple[str, float, float, float, float | None]]:
-    """The bars of a compile chart: every variant of every model."""
-    models = record["models"].items()
-    return [
-        row for m, got in models for row in bar_rows([{**x, "variant": f"{m} {x['variant']}"} for x in got["results"]])
-    ]
+    "auto": ('`scope="auto"`: the ladder against every fixed scope', "benchmarks/auto.py --steps 160 --timed 60",
+             auto_section),
+    "compile": ("Compiled kernels inside the graphs: `compile=True` against the peers", "benchmarks/compile.py",
+                lambda r: ""),
+    "logging": ("Logged values on replayed steps", "benchmarks/logging_cost.py", logging_section),
+    "hf": ("Hugging Face models", "benchmarks/hf.py", hf_section),
+    "shapes": ("Batches whose shape changes", "benchmarks/shapes.py", shapes_section),
+    "audit": ("The numerics guard: what an audit costs", "benchmarks/audit_cost.py", audit_section),
+    "zoo": ("Real training code: the model zoo", "zoo/run.py", zoo_section),
+}  # fmt: skip
 
 
 def render(records: list[dict[str, Any]], top: Path, charts: Path | None, markdown: Path) -> tuple[str, list[Path]]:
     """The whole document and the charts drawn (``charts=None``: none)."""
     drawn: list[Path] = []
 
-    def chart(name: str, rows: Any, title: str, draw: Callable[..., Path] = bars) -> str | None:
+    def chart(name: str, draw: Callable[..., Path], *args: Any) -> str | None:
         if charts is None:
             return None
         try:
-            drawn.append(draw(rows, title, charts / name))
+            drawn.append(draw(*args, charts / name))
         except ImportError as err:
             print(f"charts skipped ({err}); `pip install matplotlib` to draw them", file=sys.stderr)
             return None
@@ -585,25 +544,24 @@ def render(records: list[dict[str, Any]], top: Path, charts: Path | None, markdo
         " (`handwritten_layer` for scoped variants, `pytorch_full_graph` for the whole step).\n",
     ]
     for run in of_kind(records, "table", top):
-        title = f"{run['config']}, {PRECISIONS.get(run['precision'])}"
-        parts.append(run_section(run, chart(f"bars_{Path(run['file']).stem}.png", bar_rows(run["results"]), title)))
+        name, title = f"bars_{Path(run['file']).stem}.png", f"{run['config']}, {PRECISIONS.get(run['precision'])}"
+        parts.append(run_section(run, chart(name, bars, bar_rows(run["results"]), title)))
     for run in of_kind(records, "sweep", top):
-        parts.append(
-            sweep_section(run, chart(f"{Path(run['file']).stem}.png", run, "", lambda r, _, p: sweep_chart(r, p)))
-        )
-    later = [r for r in of_kind(records, "table") if r["dir"] != top]
-    if later:
+        title = f"{run['config']}, {PRECISIONS.get(run['precision'])}"
+        parts.append(sweep_section(run, chart(f"{Path(run['file']).stem}.png", sweep_chart, run, title)))
+    if later := [r for r in of_kind(records, "table") if r["dir"] != top]:
         parts += ["## Later runs of `benchmarks/run.py`\n", *(run_section(run, None) for run in later)]
-    for kind, (title, command, section) in SECTIONS.items():
-        found = of_kind(records, kind)
-        out = Path(found[0]["file"]).parent if found else ""
-        parts += [f"## {title}\n\n`PYTHONPATH=. python benchmarks/{command} --out {out}`\n"] if found else []
+    for kind, (heading, command, section) in SECTIONS.items():
+        if found := of_kind(records, kind):
+            parts.append(f"## {heading}\n\n`PYTHONPATH=. python {command} --out {Path(found[0]['file']).parent}`\n")
         for record in found:
             if kind != "compile":
                 parts.append(section(record))
                 continue
-            name, title = f"compile_{record['precision']}.png", f"compile=, {PRECISIONS.get(record['precision'])}"
-            parts.append(compile_section(record, chart(name, compile_bars(record), title)))
+            rows = [row for m, got in record["models"].items()
+                    for row in bar_rows([{**x, "variant": f"{m} {x['variant']}"} for x in got["results"]])]  # fmt: skip
+            title = f"compile=, {PRECISIONS.get(record['precision'])}"
+            parts.append(compile_section(record, chart(f"compile_{record['precision']}.png", bars, rows, title)))
     return "\n".join(part for part in parts if part), drawn
 
 
@@ -623,24 +581,23 @@ def write(results: Path = RESULTS, markdown: Path | None = None, charts: Path | 
     return [markdown, *drawn]
 
 
-def refresh(out: Path) -> list[Path]:
-    """After a GPU run into ``out``: the docs where ``out`` is the committed results, else ``out/RESULTS.md``."""
+def refresh(out: Path, charts: bool = True) -> list[Path]:
+    """After a run into ``out``: the docs where ``out`` is the committed results, else ``out/RESULTS.md``."""
     committed = out.resolve() == RESULTS
-    return write(out, DOCS if committed else None, CHARTS if committed else out)
+    drawn_in = (CHARTS if committed else out) if charts else None
+    return write(RESULTS if committed else out, DOCS if committed else None, drawn_in)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Regenerate the docs (default) or a results directory's ``RESULTS.md``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="?", type=Path, help="a results directory (default: the committed ones)")
+    parser.add_argument(
+        "results", nargs="?", type=Path, default=RESULTS, help="a results directory (default: the committed ones)"
+    )
     parser.add_argument("--no-charts", action="store_true", help="write the Markdown only")
     args = parser.parse_args(argv)
-    committed = args.results is None or args.results.resolve() == RESULTS
-    results = RESULTS if committed else args.results
-    markdown = DOCS if committed else results / "RESULTS.md"
-    charts = None if args.no_charts else (CHARTS if committed else results)
     try:
-        written = write(results, markdown, charts)
+        written = refresh(args.results, charts=not args.no_charts)
     except FileNotFoundError as err:
         print(err, file=sys.stderr)
         return 1

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import audit_cost, auto, compile, hf, logging_cost, report, run, shapes, zoo
+from benchmarks import audit_cost, auto, compile, hf, logging_cost, report, run, shapes
 from benchmarks.core import figures, records, timing
 from benchmarks.core.kernels import kernel_class, kernel_summary
 from benchmarks.core.models import CONFIGS, KNOWN_VARIANTS, SCOPES, setup, train
 from lightning_cudagraph import CUDAGraphStrategy
+from zoo import run as zoo
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {"gpu": "Synthetic GPU", "torch": "0", "lightning": "0", "date": "2000-01-01", "command": "run.py"}

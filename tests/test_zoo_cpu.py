@@ -1,4 +1,4 @@
-"""benchmarks/zoo.py on a CPU: its comparisons and classes, and one entry end to end through the fake backend."""
+"""zoo/run.py on a CPU: its comparisons and classes, and one entry end to end through the fake backend."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from benchmarks import report, zoo
-from benchmarks.zoo_models import ENTRIES, batch_tensors, checksum, entries_named
+from benchmarks import report
 from tests.fake_backend import FakeBackend, FakeRegion
+from zoo import run as zoo
+from zoo.models import ENTRIES, batch_tensors, checksum, entries_named
 
 CPU_FAKE = zoo.Settings(device="cpu", capture_backend="fake", steps=6, timed=4, window=2)
 

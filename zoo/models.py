@@ -1,4 +1,4 @@
-"""The model zoo of ``benchmarks/zoo.py``: real third-party models and ordinary training patterns, small and offline.
+"""The model zoo of ``zoo/run.py``: real third-party models and ordinary training patterns, small and offline.
 
 Each :class:`Entry` builds a fresh :class:`ZooModule` and its training data from config classes (nothing is
 downloaded: no hub, no pretrained weights, tokenizers made in code). Libraries are imported inside the builders, so
@@ -614,14 +614,14 @@ ENTRIES: tuple[Entry, ...] = (
           layer_modules="net.*"),
     Entry("gpt2_onecycle_clip", HF, "OneCycleLR (betas cycle) + gradient_clip_val=1.0", build_gpt2_onecycle, clip=1.0),
     Entry("resnet18_cycliclr_sgd", ("torchvision",), "torchvision resnet18 64x64, BatchNorm, SGD + CyclicLR momentum"
-          " cycling", build_resnet18_cyclic, layer_modules="net.layer*.*"),
+          " cycling", build_resnet18_cyclic),
     Entry("vit_accuracy_metric", ("timm", "torchmetrics"), "timm ViT, torchmetrics Accuracy updated in training_step",
           build_vit_accuracy),
     Entry("llama_accumulate4", HF, "accumulate_grad_batches=4 on LlamaForCausalLM", build_llama_accumulate,
           accumulate=4, steps=32),
     Entry("lora_llama", (*HF, "peft"), "peft LoRA (q_proj, v_proj) on Llama", build_lora_llama),
     Entry("mobilenet_v3_small", ("torchvision",), "torchvision mobilenet_v3_small 64x64, BatchNorm, dropout 0.2",
-          build_mobilenet, layer_modules="net.features.*"),
+          build_mobilenet),
     Entry("efficientnet_b0", ("timm",), "timm efficientnet_b0 64x64, BatchNorm", build_efficientnet),
     Entry("convnext_atto", ("timm",), "timm convnext_atto 64x64", build_convnext),
     Entry("gcn_fixed_graphs", ("torch_geometric",), "torch_geometric GCN, Batch of fixed-size random graphs",
@@ -648,7 +648,7 @@ def entries_named(names: Sequence[str] | None) -> list[Entry]:
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ValueError(
-            f"benchmarks/zoo.py: --only got unknown entries {unknown}; the zoo has {sorted(known)}."
+            f"zoo/run.py: --only got unknown entries {unknown}; the zoo has {sorted(known)}."
             " Pass names from that list, separated by commas."
         )
     return [entry for entry in ENTRIES if entry.name in names]

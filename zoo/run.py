@@ -1,10 +1,10 @@
 """Train a zoo of real third-party models eagerly and through the package; flag every run that is off eager.
 
-    PYTHONPATH=. python benchmarks/zoo.py --out DIR                          # the whole zoo on the GPU
-    PYTHONPATH=. python benchmarks/zoo.py --only llama_clm_collator,gcn_fixed_graphs --variants full
-    PYTHONPATH=. python benchmarks/zoo.py --device cpu --capture-backend fake --steps 12 --only lora_llama
+    PYTHONPATH=. python zoo/run.py --out DIR                          # the whole zoo on the GPU
+    PYTHONPATH=. python zoo/run.py --only llama_clm_collator,gcn_fixed_graphs --variants full
+    PYTHONPATH=. python zoo/run.py --device cpu --capture-backend fake --steps 12 --only lora_llama
 
-Each entry of :mod:`benchmarks.zoo_models` is trained ``eager`` (the reference), ``noise`` (eager with the optimizer
+Each entry of :mod:`zoo.models` is trained ``eager`` (the reference), ``noise`` (eager with the optimizer
 in the whole step's form: the noise floor) and through the package (``cudagraph``, ``callback``, ``layer``,
 ``full``), every fit from the same weights on the same batches. A run is compared with eager on the per-batch loss,
 the final parameters and buffers, torchmetrics states, a checksum of every batch ``training_step`` saw and, for a
@@ -47,8 +47,8 @@ from typing_extensions import override
 from benchmarks import report
 from benchmarks.core.figures import finite
 from benchmarks.core.models import report_figures
-from benchmarks.zoo_models import BuildContext, Entry, ZooModule, checksum, entries_named, missing_libraries
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
+from zoo.models import BuildContext, Entry, ZooModule, checksum, entries_named, missing_libraries
 
 SCHEMA_VERSION = 1
 SEED = 1234
@@ -236,7 +236,7 @@ def graph_setup(variant: str, entry: Entry, settings: Settings) -> tuple[Any, li
         modules = {"layer": entry.layer_modules} if entry.layer_modules else None
         callback = CUDAGraphCallback(scope=["layer"], modules=modules)
     else:
-        raise ValueError(f"benchmarks/zoo.py: unknown variant {variant!r}; known: {[*BASELINES, *VARIANTS]}")
+        raise ValueError(f"zoo/run.py: unknown variant {variant!r}; known: {[*BASELINES, *VARIANTS]}")
     callback.capture_backend = backend
     return "auto", [callback]
 
@@ -665,13 +665,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
     """Validated settings; a bad combination raises ``ValueError`` with the fix."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            "benchmarks/zoo.py: --device cuda, but no CUDA device is visible here. Run it on the GPU machine, or"
+            "zoo/run.py: --device cuda, but no CUDA device is visible here. Run it on the GPU machine, or"
             " pass --device cpu --capture-backend fake to develop the zoo on a CPU."
         )
     if args.capture_backend == "cuda" and args.device != "cuda":
-        raise ValueError("benchmarks/zoo.py: --capture-backend cuda needs --device cuda; on a CPU pass fake.")
+        raise ValueError("zoo/run.py: --capture-backend cuda needs --device cuda; on a CPU pass fake.")
     if args.steps is not None and args.steps < 4:
-        raise ValueError(f"benchmarks/zoo.py: --steps {args.steps}: pass at least 4 (the package warms up first).")
+        raise ValueError(f"zoo/run.py: --steps {args.steps}: pass at least 4 (the package warms up first).")
     backend = None if args.capture_backend in (None, "cuda") else args.capture_backend
     return Settings(
         device=args.device,
@@ -691,7 +691,7 @@ def parse_variants(text: str) -> list[str]:
     unknown = [name for name in names if name not in VARIANTS]
     if unknown or not names:
         raise ValueError(
-            f"benchmarks/zoo.py: --variants got {unknown or text!r}; allowed: {list(VARIANTS)} (comma-separated)."
+            f"zoo/run.py: --variants got {unknown or text!r}; allowed: {list(VARIANTS)} (comma-separated)."
         )
     return [name for name in VARIANTS if name in names]
 
@@ -706,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
-    command = shlex.join(sys.orig_argv) if argv is None else shlex.join(["benchmarks/zoo.py", *argv])
+    command = shlex.join(sys.orig_argv) if argv is None else shlex.join(["zoo/run.py", *argv])
     header = header_for(settings, command)
     started = time.perf_counter()
     records: list[dict[str, Any]] = []

@@ -1,0 +1,1 @@
+"""The model zoo: real third-party models trained through the package and compared with eager (correctness)."""
