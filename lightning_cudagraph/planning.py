@@ -27,7 +27,7 @@ def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModul
         ValueError: A scope or override matches nothing, or a fixed scope's region uses activation checkpointing.
     """
     if config.auto_scope:
-        return _auto_plan(config, trainer, module)
+        return _auto_plan(config, trainer, module, component)
     if config.full_iteration:
         return Plan(
             (Level(FULL_ITERATION),),
@@ -41,10 +41,10 @@ def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModul
     return Plan((level,), climbs=False, patched=level.targets, scopes=resolution.matched, summary=resolution.summary())
 
 
-def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
+def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> Plan:
     """``scope="auto"``: every level the model has, those a capture cannot hold skipped with the reason."""
     for name in config.modules:  # every override must find modules (custom scopes join every level)
-        resolve_scopes(module, [name], config.modules, "scope='auto'")
+        resolve_scopes(module, [name], config.modules, component)
     levels = []
     for level in build_levels(module, config.modules, _whole_step_problem(config, trainer)):
         try:
