@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
-    if (missing := records.needs_cuda("audit_cost.py")) is not None:
-        print(missing)
+    if records.needs_cuda("audit_cost.py"):
         return 2
     scopes = []
     for scope in ("full_iteration", "layer"):
@@ -93,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{scope}: {per_audit_ms:.2f} ms per audit; {share:.2%} of a 1000-step fit", flush=True)
     record = {"kind": "audit", "config": args.config, "steps": args.steps, "every": args.every, "rounds": args.rounds}
     record.update(default_every=DEFAULT_EVERY, environment=records.environment(), scopes=scopes)
-    print(
-        f"wrote {records.write(record, args.out / 'audit.json')}",
-        *(f"wrote {p}" for p in report.refresh(args.out)),
-        sep="\n",
-    )
+    report.publish(args.out, records.write(record, args.out / "audit.json"))
     return 0
 
 

@@ -45,19 +45,14 @@ PARTS_INSTEAD = "its parts are captured instead"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="results directory (created if missing)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per variant (default: 200)")
-    parser.add_argument("--timed", type=int, default=60, help="last steps of each variant timed (default: 60)")
+    parser = records.timed_parser(__doc__, steps=200, timed=60, rounds=3)
     parser.add_argument("--cost-steps", type=int, default=1000, help="steps of each ladder-cost fit; 0 skips them")
-    parser.add_argument("--rounds", type=int, default=3, help="alternated fits per variant (default: 3)")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated from {', '.join(MODELS)}")
     args = parser.parse_args(argv)
-    if not 0 < args.timed < args.steps:
-        parser.error(f"--timed must be at least 1 and below --steps (got {args.timed}, {args.steps})")
-    if args.rounds < 1 or args.cost_steps < 0:
-        parser.error("--rounds must be at least 1 and --cost-steps at least 0")
+    records.check_timed(parser, args, untimed=0)
+    if args.cost_steps < 0:
+        parser.error("--cost-steps must be at least 0")
     args.models = records.names(parser, "--models", args.models, list(MODELS))
     return args
 
@@ -89,16 +84,8 @@ def ratios(model: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if variant in found and reference in found:
             value = ratio(found[reference]["median_ms"], found[variant]["median_ms"])
             met = None if goal is None or value is None else value >= goal
-            entries.append(
-                {
-                    "variant": variant,
-                    "against": against,
-                    "reference": reference,
-                    "ratio": value,
-                    "goal": goal,
-                    "met": met,
-                }
-            )
+            entry = {"variant": variant, "against": against, "reference": reference, "ratio": value, "goal": goal}
+            entries.append({**entry, "met": met})
     return entries
 
 
@@ -131,13 +118,8 @@ def fit_wall(model: str, variant: str, precision: str, steps: int) -> dict[str, 
     except Exception as err:
         return {"variant": variant, "wall_s": None, "climb_s": None, "report": None, "note": failure_note(err)}
     wall = time.perf_counter() - mark.started
-    return {
-        "variant": variant,
-        "wall_s": wall,
-        "climb_s": mark.seconds,
-        "report": report_figures(graph_callback(trainer)),
-        "note": "",
-    }
+    report = report_figures(graph_callback(trainer))
+    return {"variant": variant, "wall_s": wall, "climb_s": mark.seconds, "report": report, "note": ""}
 
 
 def cost(model: str, precision: str, steps: int) -> dict[str, Any]:
@@ -174,8 +156,7 @@ def cost(model: str, precision: str, steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (missing := records.needs_cuda("auto.py")) is not None:
-        print(missing)
+    if records.needs_cuda("auto.py"):
         return 2
     have_hf = importlib.util.find_spec("transformers") is not None
     skipped = {m: "skipped: transformers>=5 is not installed" for m in args.models if m in HF_MODELS and not have_hf}
@@ -196,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "cost_steps": args.cost_steps, "rounds": args.rounds, "warmup_steps": 3, "parity_steps": PARITY_STEPS,
         "environment": records.environment(), "skipped": skipped, "models": measured,
     }  # fmt: skip
-    print(f"wrote {records.write(record, args.out / f'auto_{args.precision}.json')}")
-    print("\n".join(f"wrote {path}" for path in report.refresh(args.out)))
+    report.publish(args.out, records.write(record, args.out / f"auto_{args.precision}.json"))
     return 0
 
 

@@ -34,18 +34,10 @@ from benchmarks.core import records
 from benchmarks.core.figures import add_relative, finite, ratio, spread
 from benchmarks.core.kernels import KernelWindow
 from benchmarks.core.models import CONFIGS, WARMUP_STEPS, build, train
-from benchmarks.core.timing import alternate, peak_memory
+from benchmarks.core.timing import alternate, elapsed_ms, endless_batches, peak_memory, recorded
 
-VARIANTS: tuple[str, ...] = (
-    "eager",
-    "compile_reduce_overhead",
-    "full_iteration",
-    "full_iteration+compile",
-    "layer",
-    "layer+compile",
-)
-VARIANTS += ("pytorch_full_graph", "thunder")
 PACKAGE = ("full_iteration", "full_iteration+compile", "layer", "layer+compile")
+VARIANTS = ("eager", "compile_reduce_overhead", *PACKAGE, "pytorch_full_graph", "thunder")
 #: (variant, reference, least ratio wanted: per precision, or ``None``).
 GOALS: tuple[tuple[str, str, dict[str, float] | None], ...] = (
     ("full_iteration+compile", "full_iteration", {"32-true": 1.3, "bf16-mixed": 1.8}),
@@ -59,18 +51,11 @@ THUNDER_SKIPPED = "skipped: lightning-thunder not installed"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="results directory (created if missing)")
-    parser.add_argument("--steps", type=int, default=160, help="training steps per variant (default: 160)")
-    parser.add_argument("--timed", type=int, default=60, help="last steps of each variant timed (default: 60)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternated fits per variant (default: 2)")
+    parser = records.timed_parser(__doc__, steps=160, timed=60, rounds=2)
     parser.add_argument("--models", default="small,medium", help="comma-separated from small, medium, tiny")
     parser.add_argument("--precisions", default="32-true,bf16-mixed", help="comma-separated (default: both)")
     args = parser.parse_args(argv)
-    if not 0 < args.timed < args.steps - WARMUP_STEPS - 2:
-        parser.error(f"--timed must be at least 1 and leave the warmup and capture untimed (got {args.timed})")
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
+    records.check_timed(parser, args, untimed=WARMUP_STEPS + 2)
     args.models = records.names(parser, "--models", args.models, ["small", "medium", "tiny"])
     args.precisions = records.names(parser, "--precisions", args.precisions, ["32-true", "bf16-mixed"])
     return args
@@ -158,9 +143,7 @@ def thunder(model: str, precision: str, steps: int, skip: int) -> dict[str, Any]
 
     module, data = build(model)
     gpt: Any = module.model.cuda()
-    data.setup("fit")
-    loader = data.train_dataloader()
-    batches = (batch for _ in iter(int, 1) for batch in loader)
+    batches = endless_batches(data)
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=module.hparams.lr, weight_decay=module.hparams.weight_decay)
     graphs = CUDAGraphTransform()
     jitted = th.jit(gpt, executors=["sdpa", "torchcompile"], transforms=[graphs])
@@ -185,15 +168,11 @@ def thunder(model: str, precision: str, steps: int, skip: int) -> dict[str, Any]
         first_step_s = time.perf_counter() - started
         for index in range(WARMUP_STEPS - 1 + steps):
             if index >= WARMUP_STEPS - 1:
-                events.append(torch.cuda.Event(enable_timing=True))
-                events[-1].record()
+                events.append(recorded())
             loss = step()
             if len(losses) < PARITY_STEPS:
                 losses.append(loss)
-        events.append(torch.cuda.Event(enable_timing=True))
-        events[-1].record()
-        events[-1].synchronize()
-    times = [a.elapsed_time(b) for a, b in zip(events[skip:-1], events[skip + 1 :], strict=True)]
+        times = elapsed_ms([*events, recorded()], skip)
     return {
         "variant": "thunder", **spread(times), "peak_mib": finite(peak()), "final_loss": finite(float(loss)),
         "note": f"{th.cache_misses(jitted)} trace(s), {len(graphs.cuda_graph_runner.cuda_graph_cache)} CUDA graph(s)",
@@ -204,8 +183,7 @@ def thunder(model: str, precision: str, steps: int, skip: int) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (missing := records.needs_cuda("compile.py")) is not None:
-        print(missing)
+    if records.needs_cuda("compile.py"):
         return 2
     skip = args.steps - args.timed
     for precision in args.precisions:
@@ -219,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         record.update(rounds=args.rounds, warmup_steps=WARMUP_STEPS, parity_steps=PARITY_STEPS, models=measured)
         record["environment"] = records.environment()
         print(f"wrote {records.write(record, args.out / f'compile_{precision}.json')}")
-    print("\n".join(f"wrote {path}" for path in report.refresh(args.out)))
+    report.publish(args.out)
     return 0
 
 

@@ -49,8 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (missing := records.needs_cuda("hf.py")) is not None:
-        print(missing)
+    if records.needs_cuda("hf.py"):
         return 2
     if importlib.util.find_spec("transformers") is None:
         print('benchmarks/hf.py trains Hugging Face models and needs transformers>=5: pip install -e ".[hf]"')
@@ -67,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "kind": "hf", "precision": args.precision, "steps": args.steps, "skip": args.skip, "rounds": args.rounds,
         "batch_size": HF_BATCH_SIZE, "seq_len": HF_SEQ_LEN, "environment": records.environment(), "models": measured,
     }  # fmt: skip
-    print(f"wrote {records.write(record, args.out / f'hf_{args.precision}.json')}")
-    print("\n".join(f"wrote {path}" for path in report.refresh(args.out)))
+    report.publish(args.out, records.write(record, args.out / f"hf_{args.precision}.json"))
     return 0
 
 

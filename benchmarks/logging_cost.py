@@ -36,16 +36,9 @@ WAYS = ("direct", "self.log")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="results directory (created if missing)")
-    parser.add_argument("--steps", type=int, default=160, help="training steps per fit (default: 160)")
-    parser.add_argument("--timed", type=int, default=60, help="last steps of each fit timed (default: 60)")
-    parser.add_argument("--rounds", type=int, default=2, help="fits per case and way, alternated (default: 2)")
+    parser = records.timed_parser(__doc__, steps=160, timed=60, rounds=2)
     args = parser.parse_args(argv)
-    if not 0 < args.timed < args.steps - 4:
-        parser.error(f"--timed must be at least 1 and leave the warmup and capture untimed (got {args.timed})")
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
+    records.check_timed(parser, args, untimed=4)
     return args
 
 
@@ -73,8 +66,7 @@ def case_name(case: tuple[str, str, bool]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (missing := records.needs_cuda("logging_cost.py")) is not None:
-        print(missing)
+    if records.needs_cuda("logging_cost.py"):
         return 2
     cases = []
     for case in CASES:
@@ -101,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {m: CONFIGS[m] for m, _, _ in CASES},
     }
     record.update(environment=records.environment(), cases=cases)
-    print(f"wrote {records.write(record, args.out / 'logging.json')}")
-    print("\n".join(f"wrote {path}" for path in report.refresh(args.out)))
+    report.publish(args.out, records.write(record, args.out / "logging.json"))
     return 0
 
 

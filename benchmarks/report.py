@@ -57,8 +57,8 @@ LABELS = {
 #: The hand-written capture each package variant is compared with (the scoped ones: ``handwritten_layer``).
 HANDWRITTEN = {"full_iteration": "pytorch_full_graph", "eager": "pytorch_eager"}
 SCOPED = ("attn", "mlp", "attn+mlp", "layer", "te_layer", "moe_router+preprocess")
-README_ROWS = ("eager", "attn", "attn+mlp", "layer", "full_iteration", "handwritten_layer", "pytorch_block_graphs")
-README_ROWS += ("pytorch_full_graph",)
+README_ROWS: tuple[str, ...] = ("eager", "attn", "attn+mlp", "layer", "full_iteration", "handwritten_layer")
+README_ROWS += ("pytorch_block_graphs", "pytorch_full_graph")
 ZOO_FAILURES = ("graphs-WRONG", "eager-SILENT", "state-WRONG", "error")
 Bar = tuple[str, float, float, float, float | None]  # variant, median, p25, p75, speedup over eager
 
@@ -199,13 +199,9 @@ def run_section(run: dict[str, Any], chart: str | None) -> str:
             num(r.get("capture_ms"), 0), num(r.get("final_loss"), 4), report_note(r),
         ])  # fmt: skip
     header = ["variant", "ms/step", "p25-p75", "vs eager", "vs hand-written", "peak MiB", "pool MiB", "capture ms"]
-    return (
-        f"### {title}, {precision(run)}, batch {run.get('batch_size')}\n\n"
-        + chart_line(f"ms/step per variant, {title}, {run['precision']}", chart)
-        + table([*header, "final loss", "note"], rows, "lrrrrrrrrl")
-        + "\n"
-        + env_line(run)
-    )
+    drawn = chart_line(f"ms/step per variant, {title}, {run['precision']}", chart)
+    body = table([*header, "final loss", "note"], rows, "lrrrrrrrrl")
+    return f"### {title}, {precision(run)}, batch {run.get('batch_size')}\n\n{drawn}{body}\n{env_line(run)}"
 
 
 def sweep_section(run: dict[str, Any], chart: str | None) -> str:
@@ -218,23 +214,18 @@ def sweep_section(run: dict[str, Any], chart: str | None) -> str:
         speedups = (times(ratio(ms(found, "eager"), ms(found, v))) for v in graphs)
         rows.append([str(batch), *(num(ms(found, v), 3) for v in variants), *speedups])
     header = ["batch", *(f"{v} ms" for v in variants), *(f"{v} vs eager" for v in graphs)]
-    return (
-        f"### Batch-size sweep: {run['config']}, {precision(run)}\n\n"
-        + chart_line("speedup over eager Lightning vs batch size", chart)
-        + table(header, rows)
-        + "\n"
-        + env_line(run)
-    )
+    drawn = chart_line("speedup over eager Lightning vs batch size", chart)
+    return f"### Batch-size sweep: {run['config']}, {precision(run)}\n\n{drawn}{table(header, rows)}\n{env_line(run)}"
 
 
 def variants_table(results: Sequence[dict[str, Any]]) -> str:
     """Every variant of one model: ms/step, speedup, loss parity, compile time, kernels, every round, the note."""
     rows = []
     for r in results:
-        kernels = r.get("kernels") or {}
+        kernels, level = r.get("kernels") or {}, (r.get("report") or {}).get("level") or ""
         rows.append([
-            label(r["variant"]), num(r.get("median_ms")), times(r.get("speedup")), (r.get("report") or {}).get("level")
-            or "", num(r.get("loss_max_abs_diff"), None), num(r.get("compile_s"), 1),
+            label(r["variant"]), num(r.get("median_ms")), times(r.get("speedup")), level,
+            num(r.get("loss_max_abs_diff"), None), num(r.get("compile_s"), 1),
             f"{num(kernels['kernel_ms'])} ({num(kernels['floor_ms'])})" if kernels else "",
             " / ".join(num(ms) for ms in r.get("round_ms", [])), report_note(r),
         ])  # fmt: skip
@@ -586,6 +577,11 @@ def refresh(out: Path, charts: bool = True) -> list[Path]:
     committed = out.resolve() == RESULTS
     drawn_in = (CHARTS if committed else out) if charts else None
     return write(RESULTS if committed else out, DOCS if committed else None, drawn_in)
+
+
+def publish(out: Path, *written: Path) -> None:
+    """Say what a run wrote into ``out``, then refresh that report (see :func:`refresh`)."""
+    print("\n".join(f"wrote {path}" for path in (*written, *refresh(out))))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,15 +140,13 @@ def measure(spec: Spec) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args, plan = parse_args(argv)
-    if (missing := records.needs_cuda("run.py")) is not None:
-        print(missing)
+    if records.needs_cuda("run.py"):
         return 2
     out = args.out or Path(__file__).resolve().parent / ("results" if args.suite else "out")
     for index, spec in enumerate(plan, 1):
         print(f"[{index}/{len(plan)}] {spec.stem}: {', '.join(spec.variants)}", flush=True)
         print(f"wrote {records.write(measure(spec), out / f'{spec.stem}.json')}", flush=True)
-    for path in report.refresh(out):
-        print(f"wrote {path}")
+    report.publish(out)
     return 0
 
 

@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="gpt,llama", help="comma-separated: gpt (small GPT), llama (transformers)")
     args = parser.parse_args(argv)
     models = records.names(parser, "--models", args.models, ["gpt", "llama"])
-    if (missing := records.needs_cuda("shapes.py")) is not None:
-        print(missing)
+    if records.needs_cuda("shapes.py"):
         return 2
     variable = samples(args.steps * BATCH, fixed=None)
     fixed_length = bucket_length(round(statistics.mean(bucket_length(len(x), BUCKETS) for x, _ in variable)), BUCKETS)
@@ -156,15 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             }
             for name, runs in rounds.items()
         }
-    record = {
-        "kind": "shapes",
-        "fixed_length": fixed_length,
-        "buckets": BUCKETS,
-        "steps": args.steps,
-        "skip": args.skip,
-    }
-    path = records.write({**record, "environment": records.environment(), "models": measured}, args.out / "shapes.json")
-    print(f"wrote {path}", *(f"wrote {p}" for p in report.refresh(args.out)), sep="\n")
+    record = {"kind": "shapes", "fixed_length": fixed_length, "buckets": BUCKETS, "steps": args.steps}
+    record.update(skip=args.skip, environment=records.environment(), models=measured)
+    report.publish(args.out, records.write(record, args.out / "shapes.json"))
     return 0
 
 

@@ -728,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "zoo.json").write_text(
             json.dumps({**header, "kind": "zoo", "entries": records}, indent=1, default=str)
         )
-        print("\n".join(f"wrote {path}" for path in report.refresh(args.out)))
+        report.publish(args.out)
     failed = any(run["class"] in FAILURES for record in records for run in record.get("runs", []))
     return 1 if failed else 0
 

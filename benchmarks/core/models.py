@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from benchmarks.core.figures import finite, spread
-from benchmarks.core.timing import StepClock, peak_memory, timing_trainer
+from benchmarks.core.timing import StepClock, elapsed_ms, endless_batches, peak_memory, recorded, timing_trainer
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -137,37 +137,17 @@ def report_figures(callback: CUDAGraphCallback | None) -> dict[str, Any] | None:
     if callback is None:
         return None
     report = callback.report
+    counts = ("captures", "replays", "steps_replayed", "fallbacks", "rollbacks", "recompiles", "audits")
+    figures = ("pool_mib", "capture_ms", "capture_ms_total", "parity_err", "compile_s")
     return {
-        "stage": report.stage.name,
-        "reason": report.reason,
-        "level": report.level,
+        "stage": report.stage.name, "reason": report.reason, "level": report.level,
         "scopes": {scope: len(found) for scope, found in report.scopes.items()},
-        "captures": report.captures,
-        "replays": report.replays,
-        "steps_replayed": report.steps_replayed,
-        "fallbacks": report.fallbacks,
-        "rollbacks": report.rollbacks,
-        "rollback_reasons": list(report.rollback_reasons),
-        "exclusions": dict(report.exclusions),
-        "pool_mib": finite(report.pool_mib),
-        "capture_ms": finite(report.capture_ms),
-        "capture_ms_total": finite(report.capture_ms_total),
-        "parity_err": finite(report.parity_err),
-        "compile_s": finite(report.compile_s),
-        "recompiles": report.recompiles,
-        "audits": report.audits,
-        "ladder": [
-            {
-                "level": row.level,
-                "status": row.status,
-                "step_ms": finite(row.step_ms),
-                "capture_ms": finite(row.capture_ms),
-                "steps": row.steps,
-                "reason": row.reason,
-            }
-            for row in report.ladder
-        ],
-    }
+        **{name: getattr(report, name) for name in counts}, **{name: finite(getattr(report, name)) for name in figures},
+        "rollback_reasons": list(report.rollback_reasons), "exclusions": dict(report.exclusions),
+        "ladder": [{"level": row.level, "status": row.status, "step_ms": finite(row.step_ms),
+                    "capture_ms": finite(row.capture_ms), "steps": row.steps, "reason": row.reason}
+                   for row in report.ladder],
+    }  # fmt: skip
 
 
 class HandwrittenBlockGraphs(pl.Callback):
@@ -259,9 +239,7 @@ def pytorch_loop(
     """The same GPT, data and optimizer in a plain PyTorch loop: eager, per-block graphs, or a whole-step graph."""
     module, data = build(model, "eager", batch_size)
     gpt: Any = module.model.cuda()
-    data.setup("fit")
-    loader = data.train_dataloader()
-    batches = (batch for _ in iter(int, 1) for batch in loader)
+    batches = endless_batches(data)
     whole_step = variant == "pytorch_full_graph"
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-3, capturable=whole_step)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision.startswith("bf16"), cache_enabled=False)
@@ -302,17 +280,11 @@ def pytorch_loop(
             if variant != "pytorch_eager":
                 capture_ms = (time.perf_counter() - started) * 1e3
             for _ in range(steps):
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                events.append(event)
+                events.append(recorded())
                 loss = run(*(t.cuda(non_blocking=True) for t in next(batches)))
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            end.synchronize()
+            times = elapsed_ms([*events, recorded()], skip)
     finally:
         torch.cuda.set_stream(torch.cuda.default_stream())
-    events.append(end)
-    times = [a.elapsed_time(b) for a, b in zip(events[skip:-1], events[skip + 1 :], strict=True)]
     return {
         "variant": variant,
         "batch_size": config_of(model, batch_size)["batch_size"],

@@ -46,6 +46,24 @@ def write(record: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def timed_parser(doc: str | None, steps: int, timed: int, rounds: int) -> argparse.ArgumentParser:
+    """The options of alternated fits: ``--out``, ``--steps``, ``--timed`` (the last steps) and ``--rounds``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="results directory (created if missing)")
+    parser.add_argument("--steps", type=int, default=steps, help=f"training steps per fit (default: {steps})")
+    parser.add_argument("--timed", type=int, default=timed, help=f"last steps of each fit timed (default: {timed})")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"alternated fits per variant (default: {rounds})")
+    return parser
+
+
+def check_timed(parser: argparse.ArgumentParser, args: argparse.Namespace, untimed: int) -> None:
+    """Exit with code 2 unless some steps are timed and at least ``untimed`` (warmup, capture) are not."""
+    if not 0 < args.timed <= args.steps - untimed - 1:
+        parser.error(f"--timed must be at least 1 and leave {untimed} steps untimed (got {args.timed}, {args.steps})")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
+
+
 def names(parser: argparse.ArgumentParser, option: str, text: str, known: Sequence[str]) -> list[str]:
     """A comma-separated option as a list in the order given, without repeats; an unknown name exits with code 2."""
     given = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
@@ -55,10 +73,10 @@ def names(parser: argparse.ArgumentParser, option: str, text: str, known: Sequen
     return given
 
 
-def needs_cuda(script: str) -> str | None:
-    """The message a GPU benchmark prints (and exits with code 2) where no CUDA GPU is visible, else ``None``."""
+def needs_cuda(script: str) -> bool:
+    """Whether a GPU benchmark must exit (with code 2) for want of a CUDA GPU; it says so where it must."""
     import torch
 
-    if torch.cuda.is_available():
-        return None
-    return f"benchmarks/{script} measures CUDA graphs and needs a CUDA GPU; none is visible here."
+    if not torch.cuda.is_available():
+        print(f"benchmarks/{script} measures CUDA graphs and needs a CUDA GPU; none is visible here.")
+    return not torch.cuda.is_available()

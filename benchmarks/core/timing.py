@@ -45,11 +45,7 @@ class StepClock(pl.Callback):
 
     def step_times(self, skip: int) -> list[float]:
         """Milliseconds between consecutive batch starts from step ``skip`` on (the last to the fit's end)."""
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        events = [*self.events, end]
-        return [a.elapsed_time(b) for a, b in zip(events[skip:-1], events[skip + 1 :], strict=True)]
+        return elapsed_ms([*self.events, recorded()], skip)
 
     def host_median_ms(self, skip: int) -> float | None:
         """The median host time between batch starts from step ``skip`` on (the step time where the host paces it)."""
@@ -61,24 +57,33 @@ class StepClock(pl.Callback):
         return torch.stack(self.losses).float().tolist() if self.losses else []
 
 
+def recorded() -> Any:
+    """A timing CUDA event recorded on the current stream now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(events: Sequence[Any], skip: int) -> list[float]:
+    """Milliseconds between consecutive events from event ``skip`` on (one sync, on the last event)."""
+    events[-1].synchronize()
+    return [a.elapsed_time(b) for a, b in zip(events[skip:-1], events[skip + 1 :], strict=True)]
+
+
+def endless_batches(data: Any) -> Iterator[Any]:
+    """A datamodule's training batches, epoch after epoch (for the plain PyTorch loops)."""
+    data.setup("fit")
+    loader = data.train_dataloader()
+    return (batch for _ in iter(int, 1) for batch in loader)
+
+
 def timing_trainer(
     steps: int, callbacks: list[pl.Callback], strategy: Any = "auto", precision: Any = "32-true"
 ) -> pl.Trainer:
     """A Trainer on one GPU that only trains: no logger, checkpoints, progress bar, summary or validation."""
-    return pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    return pl.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision=precision, max_steps=steps,
+                      callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
 
 
 @contextlib.contextmanager
