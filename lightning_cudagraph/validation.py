@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_cudagraph.errors import Verbatim, config_error, did_you_mean
 from lightning_cudagraph.options import (
@@ -26,13 +26,14 @@ from lightning_cudagraph.options import (
     Selector,
 )
 
-if TYPE_CHECKING:  # the rules read a config; the config calls them (no import at run time)
-    from lightning_cudagraph.config import CUDAGraphConfig
+#: A :class:`~lightning_cudagraph.config.CUDAGraphConfig`, which calls these rules: typed loosely here, so that the
+#: rules sit below the config they check instead of importing it back.
+Config = Any
 
 __all__ = ["validate"]
 
 
-def validate(config: CUDAGraphConfig, component: str) -> None:
+def validate(config: Config, component: str) -> None:
     """Raise ``ValueError`` naming ``component`` on the first option or combination that cannot work."""
     _check_choice(component, "impl", config.impl, IMPLS, "pass impl='local' (PyTorch graphs)")
     _check_choice(component, "on_shape_change", config.on_shape_change, SHAPE_CHANGE_POLICIES, "pick one of them")
@@ -68,7 +69,7 @@ def validate(config: CUDAGraphConfig, component: str) -> None:
         )
 
 
-def _validate_compile(config: CUDAGraphConfig, component: str) -> None:
+def _validate_compile(config: Config, component: str) -> None:
     if config.compile is None:
         return
     if config.auto_scope:
@@ -90,7 +91,7 @@ def _validate_compile(config: CUDAGraphConfig, component: str) -> None:
         )
 
 
-def _validate_parity_tol(config: CUDAGraphConfig, component: str) -> None:
+def _validate_parity_tol(config: Config, component: str) -> None:
     value = config.parity_tol
     if value is None:
         return
@@ -106,7 +107,7 @@ def _validate_parity_tol(config: CUDAGraphConfig, component: str) -> None:
         )
 
 
-def _validate_max_graphs(config: CUDAGraphConfig, component: str) -> None:
+def _validate_max_graphs(config: Config, component: str) -> None:
     if config.max_graphs is None:
         return
     _check_int(component, "max_graphs", config.max_graphs, 1, "pass at least 2 with on_shape_change='recapture'")
@@ -128,7 +129,7 @@ def _validate_max_graphs(config: CUDAGraphConfig, component: str) -> None:
         )
 
 
-def _validate_scope(config: CUDAGraphConfig, component: str) -> None:
+def _validate_scope(config: Config, component: str) -> None:
     known = (*SCOPES, *(k for k in config.modules if k not in SCOPES))
     allowed = f"'auto', or a list from {', '.join(repr(s) for s in known)}"
     if AUTO in config.scope and len(config.scope) > 1:
@@ -165,7 +166,7 @@ def _validate_scope(config: CUDAGraphConfig, component: str) -> None:
         )
 
 
-def _validate_modules_keys(config: CUDAGraphConfig, component: str) -> None:
+def _validate_modules_keys(config: Config, component: str) -> None:
     """A ``modules=`` key must take effect: used by a fixed scope, and under ``auto`` not a misspelt built-in."""
     builtin = [s for s in SCOPES if s != FULL_ITERATION]
     if config.modules and config.full_iteration:
@@ -213,7 +214,7 @@ def _validate_modules_keys(config: CUDAGraphConfig, component: str) -> None:
             )
 
 
-def _validate_full_iteration(config: CUDAGraphConfig, component: str) -> None:
+def _validate_full_iteration(config: Config, component: str) -> None:
     if len(config.scope) > 1:
         raise config_error(
             component,
