@@ -90,12 +90,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     config = args.config or "small"
     moe = "experts" in CONFIGS[config]
     default = SWEEP if args.sweep else MOE if moe else DEFAULT
-    if args.variants == "all":
-        variants: tuple[str, ...] = MOE if moe else ALL
-    else:
-        variants = (
-            tuple(records.names(parser, "--variants", args.variants, KNOWN_VARIANTS)) if args.variants else default
-        )
+    variants: tuple[str, ...] = default
+    if args.variants:
+        given = (MOE if moe else ALL) if args.variants == "all" else None
+        variants = given or tuple(records.names(parser, "--variants", args.variants, KNOWN_VARIANTS))
     batch_sizes: tuple[int, ...] = ()
     if args.sweep:
         text = args.batch_sizes or ",".join(map(str, SWEEP_BATCH_SIZES))
@@ -122,20 +120,13 @@ def measure(spec: Spec) -> dict[str, Any]:
         fits = alternate(spec.variants, spec.rounds, one_fit)
         results += [{k: v for k, v in fit.items() if k != "losses"} for fit in fits]
     return {
-        "kind": "sweep" if spec.batch_sizes else "table",
-        "sweep": "batch" if spec.batch_sizes else None,
-        "config": spec.config,
-        "precision": spec.precision,
+        "kind": "sweep" if spec.batch_sizes else "table", "sweep": "batch" if spec.batch_sizes else None,
+        "config": spec.config, "precision": spec.precision,
         "batch_size": None if spec.batch_sizes else CONFIGS[spec.config]["batch_size"],
-        "batch_sizes": list(spec.batch_sizes) or None,
-        "model": model_args(CONFIGS[spec.config]),
-        "variants": list(spec.variants),
-        "steps": spec.steps,
-        "skip": spec.skip,
-        "rounds": spec.rounds,
-        "environment": records.environment(),
-        "results": results,
-    }
+        "batch_sizes": list(spec.batch_sizes) or None, "model": model_args(CONFIGS[spec.config]),
+        "variants": list(spec.variants), "steps": spec.steps, "skip": spec.skip, "rounds": spec.rounds,
+        "environment": records.environment(), "results": results,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,17 +112,13 @@ def run(variant: str, data: list, steps: int, skip: int, model_name: str) -> dic
     report_ = None if callback is None else callback.report
     replayed = [b - a for a, b in zip(watch.replayed, watch.replayed[1:], strict=False)][skip:]
     return {
-        "variant": variant,
-        "total_ms": sum(times),
-        "median_ms": statistics.median(times),
+        "variant": variant, "total_ms": sum(times), "median_ms": statistics.median(times),
         "losses": torch.stack(watch.losses).float().cpu().tolist(),
-        "stage": int(report_.stage) if report_ else None,
-        "reason": report_.reason if report_ else None,
-        "captures": report_.captures if report_ else 0,
-        "evictions": report_.evictions if report_ else 0,
+        "stage": int(report_.stage) if report_ else None, "reason": report_.reason if report_ else None,
+        "captures": report_.captures if report_ else 0, "evictions": report_.evictions if report_ else 0,
         "pool_mib": report_.pool_mib if report_ else 0.0,
         "replayed_after_skip": sum(replayed) / max(len(replayed), 1) if report_ else 0.0,
-    }
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
