@@ -13,10 +13,8 @@ stabilization, 3 fixed shapes, 4 capture, 5 replay confirmation and 6 replay (th
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -27,10 +25,10 @@ from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.factory import DriverFactory
+from lightning_cudagraph.fit_log import FitLog
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
 from lightning_cudagraph.health import CUDAGraphReport, Stage
-from lightning_cudagraph.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
 from lightning_cudagraph.stages import StageMachine
 
 
@@ -52,7 +50,8 @@ class Rollout:
         #: The level runner of the fit (``None`` until setup planned its levels, or when graphs are off before).
         self.climb: Climb | None = None
         self._factory: DriverFactory | None = None
-        self._last_logged = -1
+        #: The package's metrics of the fit, once per log interval.
+        self.log = FitLog(self.report)
         self._sealed = False
 
     @property
@@ -128,7 +127,7 @@ class Rollout:
         if self.climb is None:
             return
         self.climb.batch_ended(outputs)
-        self._maybe_log(trainer, module)
+        self.log.step_ended(trainer, module, self.climb)
         self.climb.move_if_due()
 
     def abandon_step(self) -> None:
@@ -181,7 +180,7 @@ class Rollout:
         if self.active and self.stage in (Stage.WARMUP, Stage.CONFIRMING):
             self.machine.disable("not_engaged", detail=self._why_not_engaged(trainer))
             self.report.reason = f"not_engaged: {self._why_not_engaged(trainer)}"
-        self.flush(trainer)
+        self.log.flush(trainer, self.climb)
         self.release()
 
     def _why_not_engaged(self, trainer: pl.Trainer) -> str:
@@ -218,66 +217,6 @@ class Rollout:
         if self.driver is not None:
             self.driver.save_checkpoint(trainer.optimizers, checkpoint)
 
-    # ------------------------------------------------------------------ logging
-    def _maybe_log(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Once per ``log_every_n_steps`` (and when the Trainer stops): health checks, step times, metrics, the bar."""
-        step = trainer.global_step
-        if step == self._last_logged or (step % max(_log_every(trainer), 1) and not trainer.should_stop):
-            return
-        self._last_logged = step
-        if self.driver is not None:
-            self.driver.health_check(step)
-        metrics = self._interval_metrics()
-        if self._logs_metrics(trainer):
-            # One log_dict, from on_train_batch_end: the rows Lightning writes for the user's metrics at this step.
-            log_through_lightning(module, metrics)
-        if self.driver is not None:
-            self._bar.show_on(trainer.progress_bar_callback)
-
-    def flush(self, trainer: pl.Trainer) -> None:
-        """At ``on_train_end``: take the stage off the bar; log a last interval that Lightning's cadence did not write.
-
-        Lightning refuses ``self.log`` in ``on_train_end``, so those metrics go to the loggers directly (rank zero),
-        at the step Lightning would have used. Nothing is written when the last step was a logging step.
-        """
-        self._bar.remove()
-        step = trainer.global_step
-        if step == self._last_logged:
-            return
-        self._last_logged = step
-        metrics = self._interval_metrics()
-        if self._logs_metrics(trainer):
-            log_to_loggers(trainer, metrics, step=max(step - 1, 0))
-
-    def _interval_metrics(self) -> dict[str, float]:
-        """Read the interval's step times (one host sync on CUDA, none per step) and return the report's metrics."""
-        if self.climb is not None:
-            self.climb.read_step_times()
-        return self.report.metrics()
-
-    def _logs_metrics(self, trainer: pl.Trainer) -> bool:
-        """Whether ``cudagraph/*`` metrics are logged in this fit.
-
-        Not when graphs were off before training began (``no_cuda``, ``impl_none``, ``no_targets``: no driver was
-        made): every figure would be a zero that means nothing, so a fit without graphs logs what it would log
-        without the package (``callback.report`` and the warning say why). Not with ``log_every_n_steps=0`` either.
-        """
-        return self.driver is not None and _log_every(trainer) > 0
-
-    @functools.cached_property
-    def _bar(self) -> ProgressBarItems:
-        """The ``graphs`` item of the progress bar (shown only once a driver exists: nothing when graphs are off)."""
-        return ProgressBarItems(self._bar_items)
-
-    def _bar_items(self) -> dict[str, str]:
-        """``graphs=replaying``: the stage by name, the level under ``scope="auto"``, the speedup once measured."""
-        shown = self.stage.label
-        if self.report.level:
-            shown += f" {self.report.level}"
-        if not math.isnan(self.report.speedup):
-            shown += f" {self.report.speedup:.2f}x"
-        return {"graphs": shown}
-
     @contextlib.contextmanager
     def _refusals_disable(self) -> Iterator[None]:
         """A refused configuration leaves the report saying so (stage -1, ``invalid_configuration``), then raises."""
@@ -286,8 +225,3 @@ class Rollout:
         except ValueError as error:
             self.machine.disable(f"invalid_configuration: {error}", warn=False)
             raise
-
-
-def _log_every(trainer: pl.Trainer) -> int:
-    """``Trainer(log_every_n_steps=...)``: Lightning sets it on the Trainer at init, out of its type's sight."""
-    return int(cast(Any, trainer).log_every_n_steps)

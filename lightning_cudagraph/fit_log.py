@@ -1,0 +1,93 @@
+"""The package's metrics of one fit: once per log interval through Lightning, and a last interval at the end.
+
+Lightning's own cadence paces it (``log_every_n_steps``); the step times of an interval are read with one host sync
+(none per step).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import lightning.pytorch as pl
+
+from lightning_cudagraph.climb import Climb
+from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
+
+
+class FitLog:
+    """Writes ``cudagraph/*`` once per log interval and shows the stage on the progress bar.
+
+    Args:
+        report: What is logged.
+
+    Example:
+        >>> from lightning_cudagraph.health import CUDAGraphReport
+        >>> FitLog(CUDAGraphReport()).bar_items()
+        {'graphs': 'warmup'}
+    """
+
+    def __init__(self, report: CUDAGraphReport) -> None:
+        self.report = report
+        self._last_logged = -1
+        self._bar = ProgressBarItems(self.bar_items)
+
+    def step_ended(self, trainer: pl.Trainer, module: pl.LightningModule, climb: Climb) -> None:
+        """Once per ``log_every_n_steps`` (and when the Trainer stops): health checks, step times, metrics, the bar."""
+        step = trainer.global_step
+        if step == self._last_logged or (step % max(_log_every(trainer), 1) and not trainer.should_stop):
+            return
+        self._last_logged = step
+        if climb.driver is not None:
+            climb.driver.health_check(step)
+        metrics = self._interval_metrics(climb)
+        if self._logs_metrics(trainer, climb):
+            # One log_dict, from on_train_batch_end: the rows Lightning writes for the user's metrics at this step.
+            log_through_lightning(module, metrics)
+        if climb.driver is not None:
+            self._bar.show_on(trainer.progress_bar_callback)
+
+    def flush(self, trainer: pl.Trainer, climb: Climb | None) -> None:
+        """At ``on_train_end``: take the stage off the bar; log a last interval that Lightning's cadence did not write.
+
+        Lightning refuses ``self.log`` in ``on_train_end``, so those metrics go to the loggers directly (rank zero),
+        at the step Lightning would have used. Nothing is written when the last step was a logging step.
+        """
+        self._bar.remove()
+        step = trainer.global_step
+        if step == self._last_logged or climb is None:
+            return
+        self._last_logged = step
+        metrics = self._interval_metrics(climb)
+        if self._logs_metrics(trainer, climb):
+            log_to_loggers(trainer, metrics, step=max(step - 1, 0))
+
+    def _interval_metrics(self, climb: Climb) -> dict[str, float]:
+        """Read the interval's step times (one host sync on CUDA, none per step) and return the report's metrics."""
+        climb.read_step_times()
+        return self.report.metrics()
+
+    @staticmethod
+    def _logs_metrics(trainer: pl.Trainer, climb: Climb) -> bool:
+        """Whether ``cudagraph/*`` metrics are logged in this fit.
+
+        Not when graphs were off before training began (``no_cuda``, ``impl_none``, ``no_targets``: no driver was
+        made): every figure would be a zero that means nothing, so a fit without graphs logs what it would log
+        without the package (``callback.report`` and the warning say why). Not with ``log_every_n_steps=0`` either.
+        """
+        return climb.driver is not None and _log_every(trainer) > 0
+
+    def bar_items(self) -> dict[str, str]:
+        """``graphs=replaying``: the stage by name, the level under ``scope="auto"``, the speedup once measured."""
+        shown = self.report.stage.label
+        if self.report.level:
+            shown += f" {self.report.level}"
+        if not math.isnan(self.report.speedup):
+            shown += f" {self.report.speedup:.2f}x"
+        return {"graphs": shown}
+
+
+def _log_every(trainer: pl.Trainer) -> int:
+    """``Trainer(log_every_n_steps=...)``: Lightning sets it on the Trainer at init, out of its type's sight."""
+    return int(cast(Any, trainer).log_every_n_steps)
