@@ -56,8 +56,7 @@ class WarmupRecorder:
 
     Example:
         >>> import torch, torch.nn as nn
-        >>> from lightning_cudagraph.graphs.backend import RecordedCall
-    from lightning_cudagraph.scopes import Target
+        >>> from lightning_cudagraph.scopes import Target
         >>> layer = nn.Linear(4, 4)
         >>> recorder = WarmupRecorder([Target("layer", layer, "layer")])
         >>> for rows in (8, 8, 5):

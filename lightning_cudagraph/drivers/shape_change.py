@@ -81,11 +81,13 @@ class ShapeDecision:
         component: Named in errors.
 
     Example:
+        >>> import torch
+        >>> from lightning_cudagraph.batches import batch_key
         >>> from lightning_cudagraph.health import CUDAGraphReport
         >>> report = CUDAGraphReport()
         >>> machine = StageMachine(report, "CUDAGraphCallback", "warn", release=lambda: None)
         >>> decision = ShapeDecision("eager", ShapeCache(1, report, "CUDAGraphCallback", print), machine, "C")
-        >>> decision.decide(("int64[8, 16]",), seen=0, needed=3).action
+        >>> decision.decide(batch_key((torch.zeros(8, 16),)), seen=0, needed=3).action
         <ShapeAction.EAGER: 'eager'>
     """
 
