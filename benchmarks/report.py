@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.core.figures import finite, max_abs_diff, ratio
+from benchmarks.core.markdown import NA, by_variant, cell, env_line, num, table, times
+from zoo.summary import zoo_section, zoo_summary
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 DOCS, CHARTS = REPO / "docs" / "benchmarks.md", REPO / "docs" / "charts"
-NA = "n/a"
 PRECISIONS = {"32-true": "fp32", "bf16-mixed": "bf16-mixed", "transformer-engine": "FP8 (transformer-engine)"}
 ORDER = ("small", "medium", "moe", "tiny")
 LABELS = {
@@ -59,7 +59,6 @@ HANDWRITTEN = {"full_iteration": "pytorch_full_graph", "eager": "pytorch_eager"}
 SCOPED = ("attn", "mlp", "attn+mlp", "layer", "te_layer", "moe_router+preprocess")
 README_ROWS: tuple[str, ...] = ("eager", "attn", "attn+mlp", "layer", "full_iteration", "handwritten_layer")
 README_ROWS += ("pytorch_block_graphs", "pytorch_full_graph")
-ZOO_FAILURES = ("graphs-WRONG", "eager-SILENT", "state-WRONG", "error")
 Bar = tuple[str, float, float, float, float | None]  # variant, median, p25, p75, speedup over eager
 
 
@@ -89,40 +88,12 @@ def of_kind(records: Sequence[dict[str, Any]], kind: str, top: Path | None = Non
 
 
 # ---------------------------------------------------------------------------------------------------- cells
-def num(value: Any, digits: int | None = 2) -> str:
-    """A number with ``digits`` decimals (``None``: 3 significant digits), ``n/a`` where missing."""
-    if finite(value) is None:
-        return NA
-    return f"{value:.3g}" if digits is None else f"{value:.{digits}f}"
-
-
-def times(value: float | None, digits: int = 2) -> str:
-    """A speed ratio: ``2.26x``."""
-    return NA if value is None else f"{value:.{digits}f}x"
-
-
-def cell(text: Any, limit: int = 200) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(text or "").replace("|", "/").replace("\n", " ")[:limit]
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
-    """A Markdown table; ``align`` has one letter per column (``l`` left, ``r`` right; default: first left)."""
-    align = align or "l" + "r" * (len(header) - 1)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
-    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)]) + "\n"
-
-
 def label(variant: str) -> str:
     return LABELS.get(variant, f"`{variant}`")
 
 
 def precision(record: dict[str, Any]) -> str:
     return PRECISIONS.get(record["precision"], record["precision"])
-
-
-def by_variant(results: Sequence[dict[str, Any]], batch: int | None = None) -> dict[str, dict[str, Any]]:
-    return {r["variant"]: r for r in results if batch is None or r.get("batch_size") == batch}
 
 
 def ms(results: dict[str, dict[str, Any]], variant: str | None) -> float | None:
@@ -132,17 +103,6 @@ def ms(results: dict[str, dict[str, Any]], variant: str | None) -> float | None:
 def baseline(results: dict[str, dict[str, Any]]) -> str:
     """The variant speedups divide: eager Lightning, or the eager TE model in a Transformer Engine run."""
     return "te_eager" if "eager" not in results and "te_eager" in results else "eager"
-
-
-def env_line(record: dict[str, Any]) -> str:
-    env = record.get("environment") or {}
-    if "device_name" in record:  # the zoo's header
-        env = {"gpu": record["device_name"], **record.get("versions", {}), "date": record.get("date")}
-    return (
-        f"<sub>{env.get('gpu', 'unknown GPU')}, torch {env.get('torch', NA)}, lightning {env.get('lightning', NA)},"
-        f" {env.get('date', NA)}; `{record['file']}`; measured by `{env.get('command') or record.get('command', NA)}`"
-        "</sub>\n"
-    )
 
 
 def report_note(result: dict[str, Any]) -> str:
@@ -373,47 +333,6 @@ def audit_section(record: dict[str, Any]) -> str:
     head = ["scope", "fit s, no audits", "fit s, audited (audits)", "ms per audit", "ms per step"]
     head.append(f"share of a 1000-step fit at every {record['default_every']} steps")
     return f"{record['steps']} steps, an audit every {record['every']}.\n\n{table(head, rows)}\n{env_line(record)}"
-
-
-def zoo_summary(record: dict[str, Any]) -> str:
-    """One line: the zoo's runs by class, the range of speedups on graphs, and every run that broke the promise."""
-    runs = [(e["entry"], run) for e in record["entries"] for run in e.get("runs", [])]
-    counts = Counter(run["class"] for _, run in runs)
-    speedups = [run["speedup"] for _, run in runs if run["class"] == "graphs-ok" and run.get("speedup")]
-    broken = [f"{entry} through {run['label']} ({run['class']}, off: {', '.join(run['off'])})"
-              for entry, run in runs if run["class"] in ZOO_FAILURES]  # fmt: skip
-    spread = f" at {min(speedups):.2f}-{max(speedups):.2f}x eager" if speedups else ""
-    line = (
-        f"Model zoo: {len(record['entries'])} real models and training patterns, {len(runs)} runs against eager"
-        f" Lightning: {counts['graphs-ok']} on graphs and equal to eager{spread}, {counts['eager-with-reason']} eager"
-        f" with the reason reported, {counts['refused']} refused before training"
-    )
-    line += f"; off eager: {'; '.join(broken)}." if broken else "; none off eager."
-    return f"{line} Source: `{record['file']}`."
-
-
-def zoo_cell(run: dict[str, Any] | None) -> str:
-    """A zoo run's class (bold where it broke the promise) and its speedup."""
-    if run is None:
-        return ""
-    mark = "**" if run["class"] in ZOO_FAILURES else ""
-    return f"{mark}{run['class']}{mark} {times(run.get('speedup'))}"
-
-
-def zoo_section(record: dict[str, Any]) -> str:
-    """``zoo/run.py``: one row per entry, one cell per package variant (class and speedup)."""
-    labels = {run["variant"]: run["label"] for entry in record["entries"] for run in entry.get("runs", [])}
-    rows = []
-    for entry in record["entries"]:
-        found = by_variant(entry.get("runs", []))
-        rows.append(
-            [
-                cell(entry["patterns"], 80),
-                *("skipped" if "skipped" in entry else zoo_cell(found.get(v)) for v in labels),
-            ]
-        )
-    header = ["entry", *(f"`{text}`" for text in labels.values())]
-    return f"{zoo_summary(record)}\n\n{table(header, rows, 'l' * len(header))}\n{env_line(record)}"
 
 
 # ---------------------------------------------------------------------------------------------------- charts

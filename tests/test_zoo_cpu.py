@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from benchmarks import report
 from tests.fake_backend import FakeBackend, FakeRegion
 from zoo import run as zoo
 from zoo.models import ENTRIES, batch_tensors, checksum, entries_named
+from zoo.summary import zoo_section, zoo_summary
 
 CPU_FAKE = zoo.Settings(device="cpu", capture_backend="fake", steps=6, timed=4, window=2)
 
@@ -103,6 +103,6 @@ def test_one_entry_end_to_end_flags_a_wrong_graph_and_passes_a_right_one(monkeyp
     assert run["class"] == "graphs-WRONG", run
     assert "loss" in run["off"] and "params" in run["off"]
     record = {**zoo.header_for(CPU_FAKE, "test"), "entries": [right, wrong], "file": "zoo.json"}
-    markdown = report.zoo_section(record)
+    markdown = zoo_section(record)
     assert "**graphs-WRONG**" in markdown and "graphs-ok" in markdown
-    assert "off eager: device_tensordataset" in report.zoo_summary(record)
+    assert "off eager: device_tensordataset" in zoo_summary(record)
