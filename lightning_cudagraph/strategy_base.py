@@ -9,7 +9,7 @@ options when the user did not.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -27,8 +27,15 @@ from lightning_cudagraph.rollout import Rollout
 
 __all__ = ["CUDAGraphStrategyBase", "attach_callback"]
 
+# A mixin, not a Strategy subclass at run time: jsonargparse 4.27 (the floor) lists a class once per path to Strategy in
+# its subclasses, so a second path makes `--trainer.strategy=CUDAGraphStrategy` ambiguous. Type checkers see Strategy.
+if TYPE_CHECKING:
+    _Strategy = Strategy
+else:
+    _Strategy = object
 
-class CUDAGraphStrategyBase(HoldsCaptureBackend, Strategy):
+
+class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
     """The graph options and the whole-step override points, shared by the single-device and DDP strategies.
 
     It comes first among the bases of a strategy (``class S(CUDAGraphStrategyBase, SingleDeviceStrategy)``), so

@@ -11,7 +11,8 @@ import pytest
 from benchmarks import audit_cost, auto, compile, hf, logging_cost, report, run, shapes
 from benchmarks.core import figures, records, timing
 from benchmarks.core.kernels import kernel_class, kernel_summary
-from benchmarks.core.models import CONFIGS, KNOWN_VARIANTS, SCOPES, setup, train
+from benchmarks.core.models import CONFIGS, KNOWN_VARIANTS, SCOPES, train
+from benchmarks.core.models import setup as variant_setup  # not `setup`: pytest would call a module-level setup()
 from lightning_cudagraph import CUDAGraphStrategy
 from zoo import run as zoo
 
@@ -96,16 +97,16 @@ def test_kernels_are_classed_and_the_floor_is_what_compile_leaves():
     ],
 )
 def test_each_variant_trains_as_a_user_writes_it(variant, options, strategy):
-    assert setup(variant) == (options, strategy)
+    assert variant_setup(variant) == (options, strategy)
 
 
 def test_the_whole_step_variant_is_a_cudagraph_strategy_and_unknown_ones_are_refused():
-    options, strategy = setup("full_iteration+compile")
+    options, strategy = variant_setup("full_iteration+compile")
     assert options is None and isinstance(strategy, CUDAGraphStrategy)
     with pytest.raises(ValueError, match="unknown variant 'nope'"):
-        setup("nope")
+        variant_setup("nope")
     with pytest.raises(ValueError, match="only a fixed scope or the whole step"):
-        setup("eager+compile")
+        variant_setup("eager+compile")
 
 
 def test_the_plain_loops_and_every_scope_are_known_variants():
