@@ -16,7 +16,8 @@ from tests.helpers import assert_losses_close, fit_cuda, max_param_diff, patched
 
 torchvision = pytest.importorskip("torchvision")
 
-pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
+# scope="auto" keeps a level on measured step times: run alone (`-m "cuda and timing"`), not beside other GPU tests.
+pytestmark = [pytest.mark.cuda, pytest.mark.timing, pytest.mark.timeout(300)]
 
 STEPS, BATCH, SIZE = 30, 32, 64
 
