@@ -335,6 +335,23 @@ def audit_section(record: dict[str, Any]) -> str:
     return f"{record['steps']} steps, an audit every {record['every']}.\n\n{table(head, rows)}\n{env_line(record)}"
 
 
+def accumulation_section(record: dict[str, Any]) -> str:
+    """``benchmarks/accumulation.py``: the whole step with accumulation, per sample, against eager and a 4x batch."""
+    head = ["model", "variant", "batch x accumulate", "ms per micro-batch", "ms per sample", "vs eager", "peak MiB"]
+    rows, notes = [], []
+    for model, got in record["models"].items():
+        for variant, r in got.items():
+            if variant == "parity":
+                notes.append(f"{model}: {r['steps']} optimizer steps, largest loss difference"
+                             f" {num(r['max_loss_diff'], 7)}, largest relative parameter difference"
+                             f" {num(r['max_rel_param_diff'], 6)} ({r.get('worst_param', 'n/a')})")  # fmt: skip
+                continue
+            rows.append([model, label(variant), f"{r['batch_size']} x {r['accumulate']}", num(r["median_ms"], 3),
+                         num(r["ms_per_sample"], 3), times(r["x_eager"]), num(r["peak_mib"], 0)])  # fmt: skip
+    parity = "".join(f"- {note}\n" for note in notes)
+    return f"{table(head, rows, 'llrrrrr')}\nParity, eager against `full_iteration` (accumulate 4):\n\n{parity}"
+
+
 # ---------------------------------------------------------------------------------------------------- charts
 def _pyplot() -> Any:
     import matplotlib
@@ -427,6 +444,8 @@ SECTIONS: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
     "shapes": ("Batches whose shape changes", "benchmarks/shapes.py", shapes_section),
     "audit": ("The numerics guard: what an audit costs", "benchmarks/audit_cost.py", audit_section),
     "zoo": ("Real training code: the model zoo", "zoo/run.py", zoo_section),
+    "accumulation": ("Gradient accumulation inside the whole step", "benchmarks/accumulation.py",
+                     accumulation_section),
 }  # fmt: skip
 
 

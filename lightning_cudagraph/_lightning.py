@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
 
@@ -44,6 +45,31 @@ def set_closure_result(closure: Any, output: Any, normalize: int) -> None:
             " must pass `optimizer_closure` on unchanged: `optimizer.step(closure=optimizer_closure)`."
         )
     closure._result = ClosureResult.from_training_step_output(output, normalize)
+
+
+def upcoming_batch(trainer: pl.Trainer) -> tuple[int, bool]:
+    """The index in the epoch of the training batch about to run, and whether it is the epoch's last.
+
+    Read in ``batch_to_device``: Lightning has fetched the batch (and knows whether it was the last) but not counted it.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    index = loop.batch_progress.current.ready
+    return index, bool(loop.batch_progress.is_last_batch) or index + 1 == trainer.num_training_batches
+
+
+def accumulation_sync_blocked(strategy: Any) -> contextlib.AbstractContextManager[None]:
+    """Lightning's context for a micro-batch that only accumulates: DDP skips the gradient all-reduce (``no_sync``)."""
+    return _block_parallel_sync_behavior(strategy, block=True)
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """Whether the current training batch only accumulates gradients (no optimizer step)."""
+    return trainer.fit_loop._should_accumulate()
+
+
+def last_ready_batch(trainer: pl.Trainer) -> bool:
+    """Whether the training batch being run is the epoch's last (Lightning then steps, whatever the window)."""
+    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
 
 #: The hook whose ``self.log`` calls a whole-step graph holds.
@@ -80,7 +106,9 @@ class StepLogs:
         ['train_loss']
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hook: str = _TRAINING_STEP) -> None:
+        #: The step hook whose ``self.log`` calls these are (``validation_step`` for an evaluation graph).
+        self.hook = hook
         self.calls: list[LogCall] = []
         self._feeds: list[_Feed | None] = []
 
@@ -105,7 +133,7 @@ class StepLogs:
                 del module.__dict__["log"]
 
     def reissue(self, module: pl.LightningModule) -> None:
-        """Re-issue the recorded calls, attributed to ``training_step`` so they join the same metrics."""
+        """Re-issue the recorded calls, attributed to :attr:`hook` (``training_step``) so they join the same metrics."""
         if not self.calls:
             return
         trainer = module.trainer
@@ -115,10 +143,10 @@ class StepLogs:
         if len(self._feeds) != len(self.calls):
             self._feeds = [None] * len(self.calls)
         direct = type(module).log is pl.LightningModule.log and not trainer._logger_connector.should_reset_tensors(
-            _TRAINING_STEP
+            self.hook
         )
         previous = module._current_fx_name
-        module._current_fx_name = _TRAINING_STEP
+        module._current_fx_name = self.hook
         try:
             for index, (name, value, args, kwargs) in enumerate(self.calls):
                 feed = self._feeds[index]
@@ -128,10 +156,10 @@ class StepLogs:
                     results.update_metrics(feed.key, value.detach(), batch_size)
                 else:
                     module.log(name, value, *args, **kwargs)
-                    self._feeds[index] = _feed(module, results, (name, value, args, kwargs))
+                    self._feeds[index] = _feed(module, results, (name, value, args, kwargs), self.hook)
         finally:
             module._current_fx_name = previous
-        trainer._logger_connector._current_fx = _TRAINING_STEP
+        trainer._logger_connector._current_fx = self.hook
 
     def clear(self) -> None:
         """Forget the calls and where they landed."""
@@ -139,12 +167,12 @@ class StepLogs:
         self._feeds = []
 
 
-def _feed(module: pl.LightningModule, results: Any, call: LogCall) -> _Feed | None:
+def _feed(module: pl.LightningModule, results: Any, call: LogCall, hook: str = _TRAINING_STEP) -> _Feed | None:
     """Where ``call`` landed after ``self.log`` ran it, or ``None`` when it must always go through ``self.log``."""
     name, value, args, kwargs = call
     if not isinstance(value, Tensor) or results.dataloader_idx is not None:
         return None
-    key = f"{_TRAINING_STEP}.{name}"
+    key = f"{hook}.{name}"
     metric = results.get(key)
     if metric is None or not metric.is_tensor or metric.meta.enable_graph:
         return None

@@ -3,8 +3,10 @@
 :class:`~lightning_cudagraph.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
 steps, through the driver interface only. Step times come from the backend's timer (CUDA events read once per log
 interval or decision, no host sync per step). The warmup steps give the eager baseline; under ``scope="auto"``
-each level is then timed over its first steps on graphs. Every move happens at the end of a training batch: a
-scoped level captures at once from the recorded samples; the whole step runs an eager step first (NCCL's under DDP).
+steady eager steps that record nothing give it (right before the first capture), each level is then timed over its
+first steps on graphs, and the level settled on is checked once more against eager training in the steady state.
+Every move happens at the end of a training batch: a scoped level captures at once from the recorded samples; the
+whole step runs an eager step first (NCCL's under DDP).
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport, Stage
-from lightning_cudagraph.ladder import EAGER, MAX_MEASURE_STEPS, Ladder
+from lightning_cudagraph.ladder import (
+    CHECK_EAGER_EVERY,
+    CHECK_STEPS,
+    EAGER,
+    MAX_MEASURE_STEPS,
+    MEASURE_STEPS,
+    REFERENCE_STEPS,
+    Ladder,
+)
 from lightning_cudagraph.levels import Level, Plan
 from lightning_cudagraph.preflight import eager_steps_before_whole_step
 from lightning_cudagraph.stages import StageMachine
 from lightning_cudagraph.step_times import FitSteps, LevelRun
-from lightning_cudagraph.timing import median
+from lightning_cudagraph.timing import StepTimer, median
 
 __all__ = ["Climb", "MakeDriver", "RunningFit"]
 
@@ -79,6 +89,9 @@ class Climb:
         self.report, self.component, self.settings = report, component, settings
         self._running: RunningFit | None = None
         self._pending: Level | None = None  # where a failure sent the ladder (its driver is released)
+        self._reference: StepTimer | None = None  # times the eager reference steps (scope="auto")
+        self._checking = False  # the settled level's steady-state check is under way
+        self._check_steps = 0
 
     @property
     def driver(self) -> Driver | None:
@@ -99,6 +112,8 @@ class Climb:
         driver = make(level, _level_settings(self.ladder, self.settings), self._note_eager_baseline)
         steps, level_run = FitSteps(backend.timer(), self.report), LevelRun(backend.timer(), 0.0)
         self._running = RunningFit(trainer, backend, machine, make, driver, steps, level_run)
+        if not self.ladder.settled:
+            driver.reference_steps, self._reference = REFERENCE_STEPS, backend.timer()
         machine.on_level_failure = self._level_failed
         self._enter(level)
 
@@ -108,10 +123,14 @@ class Climb:
         fit = self._running
         if fit is None:
             return
+        if self._checking:
+            self._check_steps += 1
+            if self._check_steps % CHECK_EAGER_EVERY == 1 and fit.machine.stage == Stage.REPLAYING:
+                fit.driver.reference_steps = 1  # this step runs eagerly, timed against the level's steps around it
         fit.driver.begin_batch(trainer, batch)
         fit.steps.start()
-        walking = not self.ladder.settled and self._pending is None
-        fit.level.step_started(walking and fit.machine.stage == Stage.REPLAYING)
+        timing = (not self.ladder.settled or self._checking) and self._pending is None
+        fit.level.step_started(timing and fit.machine.stage == Stage.REPLAYING and not fit.driver.in_reference_step)
 
     def batch_ended(self, outputs: Any) -> None:
         """Close the step: the driver's checks, then count it towards its level."""
@@ -122,9 +141,22 @@ class Climb:
         fit.driver.end_step(outputs)
         if fit.machine.stage == Stage.WARMUP:
             fit.machine.warmup_losses.observe(outputs)
+        self._time_reference(fit.driver)
+        on_graphs = fit.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING) and not fit.driver.in_reference_step
         if not self.ladder.settled:
             self.ladder.row.steps += 1
-            fit.level.step_ended(on_graphs=fit.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING))
+            fit.level.step_ended(on_graphs=on_graphs)
+        elif self._checking:
+            fit.level.step_ended(on_graphs=on_graphs)
+
+    def _time_reference(self, driver: Driver) -> None:
+        """A reference step runs from the end of the step before to its own end, as a level's steps are timed."""
+        if self._reference is None:
+            return
+        if driver.in_reference_step:
+            self._reference.stop()
+        if driver.reference_steps > 0 or self._checking:
+            self._reference.start()
 
     def read_step_times(self) -> None:
         """Once per log interval: read the steps' times (one host sync); the report mirrors their median."""
@@ -133,7 +165,9 @@ class Climb:
 
     def _note_eager_baseline(self) -> None:
         """Right before the first capture: the eager baseline (the slowest rank's), once; the report mirrors it."""
-        eager = self._fit.steps.eager_median()
+        reference = self._reference.read() if self._reference is not None else None
+        self._reference = None
+        eager = self._fit.steps.eager_median(reference)
         if eager is not None:
             (self.ladder.eager_ms,) = self._fit.machine.agreement.slowest(eager)
             self.report.eager_step_ms = self.ladder.eager_ms
@@ -143,11 +177,14 @@ class Climb:
         fit = self._running
         if fit is None:
             return
+        due = fit.level.measured >= fit.level.due and fit.machine.stage == Stage.REPLAYING
         if self._pending is not None:
             level, self._pending = self._pending, None
             self._switch(level)
-        elif not self.ladder.settled and fit.level.measured >= fit.level.due and fit.machine.stage == Stage.REPLAYING:
+        elif not self.ladder.settled and due:
             self._time_or_decide()
+        elif self._checking and due:
+            self._check_steady_state()
 
     # ------------------------------------------------------------------ decisions
     def _time_or_decide(self) -> None:
@@ -162,11 +199,32 @@ class Climb:
         run.read()
         spread = max(run.times) / max(min(run.times), 1e-9)
         step_ms, spread = fit.machine.agreement.slowest(median(run.times), spread)
+        if run.earlier:  # a slow stretch does not last two windows: the faster one counts
+            step_ms = min(step_ms, *run.earlier)
+        elif self.ladder.far(step_ms):
+            run.time_again(MEASURE_STEPS, step_ms)
+            return
         if len(run.times) < MAX_MEASURE_STEPS and self.ladder.close_call(step_ms, spread):
-            run.due = MAX_MEASURE_STEPS
+            run.due = run.measured + MAX_MEASURE_STEPS - len(run.times)
             return
         self._note_capture_time()
         self._follow(self.ladder.measured(step_ms))
+
+    def _check_steady_state(self) -> None:
+        """Once, on the settled level: its steady-state median against the eager reference; eager if it lost."""
+        fit = self._fit
+        self._checking = False
+        fit.driver.reference_steps = 0
+        eager = self._reference.read() if self._reference is not None else []
+        self._reference = None
+        step_ms, eager_ms = fit.machine.agreement.slowest(median(fit.level.read()), median(eager))
+        if not self.ladder.checked(step_ms, eager_ms):
+            fit.machine.disable(
+                "not_faster",
+                detail=f"scope='auto' settled on a level that ran at {step_ms:.2f} ms/step in the steady state, not"
+                f" faster than eager training ({self.ladder.steady_eager_ms:.2f} ms/step): {self.ladder.describe()};"
+                " training goes on eagerly",
+            )
 
     def _follow(self, level: Level | None) -> None:
         """Carry out where the ladder says to go: nowhere (settled here), eager training, or another level."""
@@ -219,9 +277,18 @@ class Climb:
         fit.machine.begin_level()
         self._enter(level)
 
+    def _begin_check(self) -> None:
+        """Time the settled level once more, eager steps in between (one in :data:`CHECK_EAGER_EVERY`)."""
+        self._checking, self._check_steps = True, 0
+        self._reference = self._fit.backend.timer()
+
     def _enter(self, level: Level) -> None:
         fit = self._fit
-        fit.level = LevelRun(fit.level.window, capture_mark=self.report.capture_ms_total)
+        self._checking = False
+        if self.ladder.climbs and self.ladder.settled:
+            self._begin_check()
+        due = CHECK_STEPS if self._checking else MEASURE_STEPS
+        fit.level = LevelRun(fit.level.window, capture_mark=self.report.capture_ms_total, due=due)
         if not self.ladder.climbs:
             return
         self.report.level = level.name
@@ -235,6 +302,8 @@ class Climb:
         fit.driver.settings = replace(fit.driver.settings, keep_samples=False, measure_pool=True)
         fit.driver.settle()
         self.report.pool_mib = fit.backend.pool_mib()
+        self._begin_check()
+        fit.level = LevelRun(fit.level.window, capture_mark=self.report.capture_ms_total, due=CHECK_STEPS)
         rank_zero_info(f"{self.component}: scope='auto' settled on {self.report.level!r}: {self.ladder.describe()}")
 
     def _note_capture_time(self) -> None:
@@ -251,9 +320,9 @@ class Climb:
 def _level_settings(ladder: Ladder, settings: LevelSettings) -> LevelSettings:
     """A walked ladder's settings for the level it enters; a fixed scope's stay as they are.
 
-    Regions capture after one capture warmup iteration (they already ran on this stream in every step so far),
-    keep their samples while other levels may need them, and read the pool's size once, on the level kept.
+    Regions capture without capture warmup iterations (they already ran on this stream in every step so far), keep
+    their samples while other levels may need them, and read the pool's size once, on the level kept.
     """
     if not ladder.climbs:
         return settings
-    return replace(settings, warmup_iters=1, keep_samples=not ladder.settled, measure_pool=ladder.settled)
+    return replace(settings, warmup_iters=0, keep_samples=not ladder.settled, measure_pool=ladder.settled)

@@ -46,6 +46,7 @@ class CUDAGraphConfig:
     max_pool_mib: float | None = None
     seal_after_steps: int | None = None
     audit_every_n_steps: int | None = 1000
+    eval_graphs: bool = True
     compile: CompileOptions | None = None
 
     @classmethod

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-__all__ = ["LEVEL_NUMBERS", "METRIC_PREFIX", "CUDAGraphReport", "LevelRecord", "Stage"]
+__all__ = ["LEVEL_NUMBERS", "METRIC_PREFIX", "CUDAGraphReport", "EvaluationRecord", "LevelRecord", "Stage"]
 
 METRIC_PREFIX = "cudagraph/"
 #: ``cudagraph/level``: each level of ``scope="auto"`` 's ladder has a fixed number, so dashboards compare across
@@ -44,6 +44,10 @@ class LevelRecord:
     reason: str | None = None
 
 
+#: ``cudagraph/optimizer_graph`` by ``report.optimizer_graph`` (anything else, a reason, is -1: eager).
+_OPTIMIZER_GRAPH_NUMBERS = {"waiting": 0.0, "confirming": 1.0, "replaying": 2.0}
+
+
 class Stage(IntEnum):
     """Where the rollout is; logged as ``cudagraph/stage`` (its number), so a dashboard shows it rise to 2.
 
@@ -67,6 +71,37 @@ class Stage(IntEnum):
             ['off', 'warmup', 'confirming', 'replaying']
         """
         return "off" if self is Stage.DISABLED else self.name.lower()
+
+
+@dataclass
+class EvaluationRecord:
+    """The evaluation graphs of a fit or loop (validation, test, predict): :mod:`lightning_cudagraph.evaluation`.
+
+    Attributes:
+        mode: What the last evaluation loop ran on: ``"whole_step"`` (one forward-only graph per step hook and
+            batch shape), ``"regions"`` (forward-only graphs of the trained level's regions) or ``"eager"``.
+        reason: Why the last evaluation loop (or a shape of it) ran eagerly, or ``None``.
+        graphs: Evaluation graphs alive now.
+        captures: Evaluation graphs captured (and trusted) so far.
+        replays: Evaluation graph replays.
+        fallbacks: Evaluation steps (or region calls) that ran eagerly while evaluation graphs were in use.
+        memory_mib: Device memory the evaluation graphs took when captured (what their captures added to the shared
+            pool, and their static inputs), in MiB.
+        capture_ms: Host time of every evaluation capture, its parity check included.
+        parity_err: Largest relative difference between a graph and the eager step (or region) on the same batch.
+        releases: Times the evaluation graphs were released.
+    """
+
+    mode: str | None = None
+    reason: str | None = None
+    graphs: int = 0
+    captures: int = 0
+    replays: int = 0
+    fallbacks: int = 0
+    memory_mib: float = 0.0
+    capture_ms: float = 0.0
+    parity_err: float = math.nan
+    releases: int = 0
 
 
 @dataclass
@@ -107,6 +142,14 @@ class CUDAGraphReport:
         capture_ms_total: Host time of every capture of the fit, summed (the ladder's captures included).
         compile_s: With ``compile=``: seconds torch.compile spent compiling in this fit (recompiles included).
         recompiles: With ``compile=``: compilations after the first capture (a guard failed on an eager path).
+        optimizer_graph: A scoped fit through the package's strategies: the optimizer step's own graph,
+            ``waiting`` (not captured yet), ``confirming``, ``replaying``, or why it stays eager
+            (``optimizer_not_graphed: ...``); ``None`` otherwise. Logged as ``cudagraph/optimizer_graph``
+            (0, 1, 2, or -1 when eager).
+        optimizer_replays: Replays of the optimizer step's graph.
+        optimizer_parity_err: Largest relative difference between the optimizer graph's update and the eager
+            update from the same state on the same gradients (parameters and optimizer state).
+        evaluation: The evaluation loops' graphs (:class:`EvaluationRecord`).
 
     Example:
         A fit on a CPU: graphs are off, the report says why, and training ran eagerly.
@@ -152,6 +195,10 @@ class CUDAGraphReport:
     capture_ms_total: float = 0.0
     compile_s: float = math.nan
     recompiles: int = 0
+    optimizer_graph: str | None = None
+    optimizer_replays: int = 0
+    optimizer_parity_err: float = math.nan
+    evaluation: EvaluationRecord = field(default_factory=EvaluationRecord)
 
     @property
     def speedup(self) -> float:
@@ -212,6 +259,9 @@ class CUDAGraphReport:
             "capture_ms_total": self.capture_ms_total if self.captures else math.nan,
             "compile_s": self.compile_s,
             "recompiles": float(self.recompiles) if not math.isnan(self.compile_s) else math.nan,
+            "optimizer_graph": _OPTIMIZER_GRAPH_NUMBERS.get(self.optimizer_graph or "", -1.0)
+            if self.optimizer_graph is not None
+            else math.nan,
         }
         return {METRIC_PREFIX + key: value for key, value in values.items() if not math.isnan(value)}
 

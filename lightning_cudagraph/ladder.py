@@ -2,8 +2,16 @@
 
 A fixed scope is a one-level ladder: settled from the start, untimed, with no rows in the report. Under
 ``scope="auto"`` each level is captured, confirmed like any graph, then timed over :data:`MEASURE_STEPS` steps on
-its graphs (CUDA events read once per decision; a close call is timed longer). A level is kept as the best so far
-when it is faster than the best before it (eager training to start with) by :data:`MARGIN`.
+its graphs (CUDA events read once per decision). The figure is the median, which one slow step (a collection, a
+log interval's sync, a stall of a shared host) does not move; a close call is timed longer, and a level far from the
+bar gets a second window, the faster of the two counting (a slow stretch does not last two windows). A level is kept
+as the best so far when it is faster than the best before it (eager training to start with) by :data:`MARGIN`.
+
+The eager reference comes from steady eager steps that record nothing (:data:`REFERENCE_STEPS` right before the
+first capture): warmup steps record every target call, which makes them slower than eager training. Once settled,
+the level's steady-state step time is checked once over :data:`CHECK_STEPS` steps against eager steps run between
+them (the reference where a driver cannot run those); a level that lost goes back to eager training, with the
+reason: the fit never stays on a level slower than eager.
 
 The walk: the narrowest level first (it confirms that graphs work on the model at all), then from the widest level
 down, until one is kept. Every level tried costs a capture and a few steps on slower graphs, and a wider level
@@ -23,16 +31,35 @@ from collections.abc import Sequence
 from lightning_cudagraph.health import CUDAGraphReport, LevelRecord
 from lightning_cudagraph.levels import Level, walk_order
 
-__all__ = ["EAGER", "MARGIN", "MAX_MEASURE_STEPS", "MEASURE_STEPS", "Ladder"]
+__all__ = [
+    "CHECK_EAGER_EVERY",
+    "CHECK_STEPS",
+    "EAGER",
+    "FAR",
+    "MARGIN",
+    "MAX_MEASURE_STEPS",
+    "MEASURE_STEPS",
+    "REFERENCE_STEPS",
+    "Ladder",
+]
 
 #: A wider level is kept only if its median step time is this much below the best so far. Medians of a few replayed
 #: steps on the H200 scatter by 1-4% for scoped graphs; 5% stays above that noise, so a level is never kept for a
 #: gain that is not there, and costs at most 5% against the best level when two levels are that close.
 MARGIN = 0.05
 #: Steps timed per level once its graphs are confirmed (confirming steps run parity checks): their median decides
-#: when it is clear of the margin by a margin; a closer call is timed over up to :data:`MAX_MEASURE_STEPS`.
-MEASURE_STEPS = 2
-MAX_MEASURE_STEPS = 8
+#: when it is clear of the margin by a margin (five: two slow steps do not move it); a closer call is timed over up to
+#: :data:`MAX_MEASURE_STEPS`.
+MEASURE_STEPS = 5
+MAX_MEASURE_STEPS = 11
+#: A level whose median is this far from the bar (slower or faster, as a ratio) is timed over a second window.
+FAR = 1.3
+#: Eager steps timed for the reference right before the first capture, recording nothing (``scope="auto"``).
+REFERENCE_STEPS = 5
+#: Steps on the settled level timed once more against eager training, with one eager step in every
+#: :data:`CHECK_EAGER_EVERY` (the step after an eager one is not timed): both measured in the same stretch of the fit.
+CHECK_STEPS = 6
+CHECK_EAGER_EVERY = 4
 #: Where the ladder settles when no level was faster than eager training by the margin (or none was confirmed).
 EAGER = Level("eager", unavailable="no level was confirmed faster than eager training")
 
@@ -79,6 +106,8 @@ class Ladder:
         self.eager_ms = math.nan
         #: The best level's median step time (``nan`` while no level was kept).
         self.best_ms = math.nan
+        #: Eager training's median in the steady-state check (``nan`` until then).
+        self.steady_eager_ms = math.nan
         self._regions: dict[str, frozenset[str]] = {}
         self.settled = not self._levels or not climbs
 
@@ -114,6 +143,28 @@ class Ladder:
         """
         bar = self._reference() * (1 - self.margin)
         return not math.isnan(bar) and abs(step_ms - bar) < max(bar * self.margin, step_ms * (spread - 1) / 2)
+
+    def far(self, step_ms: float) -> bool:
+        """Whether ``step_ms`` is so far from the bar (by :data:`FAR`, either way) that a second window confirms it."""
+        bar = self._reference() * (1 - self.margin)
+        return not math.isnan(bar) and bar > 0 and not 1 / FAR < step_ms / bar < FAR
+
+    def checked(self, step_ms: float, eager_ms: float = math.nan) -> bool:
+        """The settled level's steady-state time against eager steps timed beside it (``nan``: the reference).
+
+        Returns whether it still beats eager training; else its row says it lost, and no level is kept.
+        """
+        self.steady_eager_ms = self.eager_ms if math.isnan(eager_ms) else eager_ms
+        if self._best is None or math.isnan(self.steady_eager_ms) or step_ms < self.steady_eager_ms:
+            return True
+        row = self._rows[self._best.name]
+        row.status = "slower"
+        row.reason = (
+            f"{step_ms:.2f} ms/step in the steady state, not faster than eager training ({self.steady_eager_ms:.2f})"
+        )
+        self._best, self.best_ms = None, math.nan
+        self.report.level = None
+        return False
 
     def same_regions(self, regions: frozenset[str] | None) -> str | None:
         """The current level captures ``regions``: a level timed before that captured the same ones, or ``None``.

@@ -162,6 +162,15 @@ OPTIONS: tuple[Option, ...] = (
         " only. Each audit costs about one eager step.",
     ),
     Option(
+        "eval_graphs",
+        "bool",
+        True,
+        "Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole evaluation"
+        " step through the package's strategies, the trained level's regions through the callback alone (each"
+        " graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:"
+        " evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.",
+    ),
+    Option(
         "compile",
         "bool | Mapping[str, Any]",
         False,

@@ -20,6 +20,7 @@ from lightning.pytorch.plugins.precision import (
     TransformerEnginePrecision,
 )
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_cudagraph._lightning import anomaly_detection_on
 from lightning_cudagraph.compile_options import inductor_graphs_in
@@ -59,15 +60,15 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
         )
     if not config.full_iteration:
         return
-    if trainer.accumulate_grad_batches > 1:
+    if trainer.accumulate_grad_batches > 1 and is_overridden("optimizer_step", module):
         raise config_error(
             component,
-            "Trainer(accumulate_grad_batches=...)",
-            trainer.accumulate_grad_batches,
-            "1 with scope=['full_iteration']",
-            "Lightning runs accumulation micro-batches through the closure without calling the strategy's"
-            " optimizer_step, so the whole-step graph cannot contain them; use accumulate_grad_batches=1 with a"
-            " larger batch, or a scoped capture such as scope=['layer'], which supports accumulation",
+            "LightningModule.optimizer_step",
+            Verbatim(f"{type(module).__name__}.optimizer_step (overridden)"),
+            "Lightning's own optimizer_step with scope=['full_iteration'] and accumulate_grad_batches > 1",
+            "the whole step graphs every micro-batch, so Lightning would call the override for the micro-batches"
+            " that only accumulate as well; move its work to a scheduler or on_before_optimizer_step, pass"
+            " accumulate_grad_batches=1 with a larger batch, or use a scoped capture (scope=['layer'])",
         )
     if not module.automatic_optimization:
         raise config_error(

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph import planning, preflight
@@ -24,6 +25,7 @@ from lightning_cudagraph.agreement import RankAgreement
 from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
+from lightning_cudagraph.evaluation import EvaluationGraphs, TrainedLevel
 from lightning_cudagraph.factory import DriverFactory
 from lightning_cudagraph.fit_log import FitLog
 from lightning_cudagraph.graphs.backend import CaptureBackend
@@ -52,7 +54,12 @@ class Rollout:
         self._factory: DriverFactory | None = None
         #: The package's metrics of the fit, once per log interval.
         self.log = FitLog(self.report)
+        #: Validation, test and predict on forward-only graphs (:mod:`lightning_cudagraph.evaluation`).
+        self.evaluation = EvaluationGraphs(config, component, self.report.evaluation)
         self._sealed = False
+        #: Whether the strategy hands every micro-batch of an accumulation window to the whole step: a whole-step
+        #: level is planned (and not skipped), under automatic optimization. Set when the fit starts.
+        self.whole_step_accumulation = False
 
     @property
     def stage(self) -> Stage:
@@ -102,6 +109,12 @@ class Rollout:
                 " training runs eagerly, exactly as without the package",
             )
             return
+        module = trainer.lightning_module  # an optimizer_step override would run for every micro-batch: not handed
+        self.whole_step_accumulation = (
+            module.automatic_optimization
+            and not is_overridden("optimizer_step", module)
+            and any(level.whole_step for level in self.climb.ladder.to_try)
+        )
         self.machine.agreement = RankAgreement(trainer.strategy.root_device)
         self._factory = DriverFactory(self.config, self.component, self.backend, self.machine, trainer, self.climb.plan)
         self.climb.attach(trainer, self.backend, self.machine, self._factory)
@@ -160,6 +173,46 @@ class Rollout:
         """Whether the strategy's hooks are running inside a whole-step capture."""
         return self.driver is not None and self.driver.capturing
 
+    # ------------------------------------------------------------------ evaluation loops
+    def evaluation_start(self, trainer: pl.Trainer, backend: CaptureBackend | None = None) -> None:
+        """An evaluation loop starts: its graphs (the whole step, or the trained regions), or eager with the reason.
+
+        ``backend`` is the callback's, for a loop outside a fit (a fit's rollout has its own from setup).
+        """
+        if self.backend is None and self.config.enabled and self.config.eval_graphs and not trainer.sanity_checking:
+            self.backend = backend or default_backend(trainer.strategy.root_device)  # a loop outside a fit
+        strategy = bool(getattr(trainer.strategy, "supports_full_iteration", False))
+        self.evaluation.loop_start(trainer, self.backend, self._trained_level(), strategy)
+
+    def _trained_level(self) -> TrainedLevel | None:
+        """What the fit's training graphs are now (``None`` before a fit planned its levels)."""
+        if self.climb is None:
+            return None
+        current, driver = self.climb.ladder.current, self.driver
+        captured = getattr(driver, "captured_regions", None)
+        names = captured() if callable(captured) and self.machine.graphs_allowed else frozenset()
+        targets = getattr(driver, "targets", ())
+        regions = [(t.name, t.module) for t in targets if t.name in names]
+        return TrainedLevel(
+            name=current.name if current is not None else None,
+            settled=self.climb.ladder.settled,
+            allowed=self.machine.graphs_allowed and driver is not None,
+            off_reason=self.report.reason,
+            regions=regions,
+        )
+
+    def plan_evaluation_step(self, trainer: pl.Trainer, batch: Any) -> Any:
+        """``batch_to_device`` of an evaluation batch (called by the strategy): the batch its step should read."""
+        return self.evaluation.plan(trainer, batch)
+
+    def run_evaluation_step(self, trainer: pl.Trainer, step: Callable[[], Any]) -> Any:
+        """An evaluation step (called by the strategy): replayed, captured, or eager."""
+        return self.evaluation.run(trainer.lightning_module, step)
+
+    def evaluation_end(self) -> None:
+        """An evaluation loop ended: trained regions get their forwards back; a loop outside a fit releases."""
+        self.evaluation.loop_end()
+
     # ------------------------------------------------------------------ shapes
     def seal(self, self_check: bool = True) -> None:
         """Close the set of batch shapes: a shape without graphs raises from now on (``seal_after_steps``)."""
@@ -202,8 +255,11 @@ class Rollout:
     def release(self) -> None:
         """Free every graph and restore everything patched (idempotent; called on every exit path)."""
         try:
-            if self.climb is not None:
-                self.climb.release()
+            try:
+                self.evaluation.release()  # first: its forwards wrap the training driver's
+            finally:
+                if self.climb is not None:
+                    self.climb.release()
         finally:  # whatever a reset raised, training goes back to the stream it came from
             try:
                 if self._factory is not None:

@@ -49,7 +49,8 @@ class TrainingState:
     metrics: list[tuple[Metric, dict[str, Any]]] = field(default_factory=list)
     attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)
     buffers: list[tuple[torch.nn.Module, str, Tensor, Tensor]] = field(default_factory=list)
-    weights: list[tuple[Tensor, Tensor, Tensor | None]] = field(default_factory=list)
+    #: Each parameter, a copy of it, its gradient tensor and a copy of the gradient (accumulation adds to it).
+    weights: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = field(default_factory=list)
     optimizer_state: list[tuple[dict[str, Any], str, Any, Any]] = field(default_factory=list)
     tensors: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     generators: tuple[Any, ...] = ()
@@ -93,7 +94,8 @@ class TrainingState:
 
     def _take_weights(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         for p in module.parameters():
-            self.weights.append((p, p.detach().clone(), p.grad))
+            grad = p.grad
+            self.weights.append((p, p.detach().clone(), grad, None if grad is None else grad.detach().clone()))
         for optimizer in optimizers:
             for entry in optimizer.state.values():
                 for key, value in entry.items():
@@ -116,8 +118,10 @@ class TrainingState:
             for sub, name, buffer, saved in self.buffers:
                 buffer.copy_(saved)
                 sub._buffers[name] = buffer
-            for p, saved, grad in self.weights:
+            for p, saved, grad, saved_grad in self.weights:
                 p.copy_(saved)
+                if grad is not None and saved_grad is not None:
+                    grad.copy_(saved_grad)  # a graph that accumulates adds into this very tensor
                 p.grad = grad
             for holder, key, value, saved in self.optimizer_state:
                 if isinstance(value, Tensor):
@@ -133,7 +137,31 @@ class TrainingState:
 
     def parameters_now(self) -> list[Tensor]:
         """The parameters as they are now (copies), in the order they were taken."""
-        return [p.detach().clone() for p, _, _ in self.weights]
+        return [p.detach().clone() for p, *_ in self.weights]
+
+    def gradients_now(self) -> list[Tensor | None]:
+        """The parameters' gradients as they are now (copies), in the order they were taken."""
+        return [None if p.grad is None else p.grad.detach().clone() for p, *_ in self.weights]
+
+    def gradient_error_of(self, other: list[Tensor | None], zeroed: bool) -> Tensor:
+        """Largest relative difference between the gradients in ``other`` and the ones the parameters hold (no sync).
+
+        Each difference is measured against what the step added to the gradient (all of it when the step ``zeroed``
+        the gradients first), as :meth:`update_error_of` does for the parameters. A gradient that one side has and
+        the other does not counts as infinitely off.
+        """
+        errors = []
+        for (p, _, _, saved_grad), theirs in zip(self.weights, other, strict=True):
+            ours = p.grad
+            if ours is None or theirs is None:
+                if (ours is None) != (theirs is None):
+                    errors.append(torch.full((), float("inf"), device=p.device))
+                continue
+            now = ours.detach().float()
+            before = saved_grad.float() if saved_grad is not None and not zeroed else torch.zeros_like(now)
+            scale = (now - before).norm().clamp_min(1e-7 * now.norm() + 1e-12)
+            errors.append((theirs.float() - now).norm() / scale)
+        return torch.stack(errors).max() if errors else torch.zeros(())
 
     def keep_gradient_buffers(self) -> None:
         """Point each parameter's ``.grad`` back at the tensor it had, holding the gradient it has now.
@@ -142,7 +170,7 @@ class TrainingState:
         captured with, which are what user code should see after later replays.
         """
         with torch.no_grad():
-            for p, _, grad in self.weights:
+            for p, _, grad, _ in self.weights:
                 if grad is not None and p.grad is not None and p.grad is not grad and p.grad.shape == grad.shape:
                     grad.copy_(p.grad)
                     p.grad = grad
@@ -155,7 +183,7 @@ class TrainingState:
         frozen hyperparameter or a wrong batch cannot hide behind the size of the weights.
         """
         errors = []
-        for (p, before, _), after in zip(self.weights, other, strict=True):
+        for (p, before, *_), after in zip(self.weights, other, strict=True):
             if not p.is_floating_point():
                 continue
             now = p.detach().float()

@@ -50,12 +50,18 @@ class FitSteps:
         elif times:
             self.report.step_ms = median(times)
 
-    def eager_median(self) -> float | None:
-        """Right before the first capture: the median eager step time so far, once (``None`` after)."""
+    def eager_median(self, reference: list[float] | None = None) -> float | None:
+        """Right before the first capture: the median eager step time, once (``None`` after).
+
+        ``reference``: the times of eager steps that recorded nothing (``scope="auto"``): their median is the figure.
+        Otherwise the median of the eager steps so far, the first left out (it compiles kernels and fills caches).
+        """
         if self._eager is None:
             return None
         times, self._eager = [*self._eager, *self.timer.read()], None
-        return median(times[1:] if len(times) > 1 else times)  # the first step compiles kernels and fills caches
+        if reference:
+            return median(reference)
+        return median(times[1:] if len(times) > 1 else times)
 
 
 @dataclass
@@ -73,6 +79,7 @@ class LevelRun:
         measured: Steps timed so far.
         due: Steps to time before the decision.
         times: Their times, read so far (ms).
+        earlier: Medians of the level's earlier windows (a level far from the bar is timed twice).
 
     Example:
         >>> run = LevelRun(StepTimer(use_cuda=False), capture_mark=0.0)
@@ -89,6 +96,7 @@ class LevelRun:
     measured: int = 0
     due: int = MEASURE_STEPS
     times: list[float] = field(default_factory=list)
+    earlier: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.window.read()  # drop a partial window of the level before
@@ -105,6 +113,8 @@ class LevelRun:
             self.measured += 1
         if on_graphs and self.since_capture >= 1:
             self.window.start()
+        else:  # an eager step between (the steady-state check's): the step after it is not timed from before it
+            self.window.cancel()
 
     def captures_since(self, total: float) -> float:
         """The capture time since the mark, given the fit's total so far; the mark moves to ``total``."""
@@ -115,3 +125,9 @@ class LevelRun:
         """Every timed step's time so far (one host sync)."""
         self.times.extend(self.window.read())
         return self.times
+
+    def time_again(self, steps: int, window_ms: float) -> None:
+        """Keep this window's figure (``window_ms``: agreed by every rank) and time another window of ``steps``."""
+        self.earlier.append(window_ms)
+        self.times = []
+        self.due = self.measured + steps

@@ -74,6 +74,10 @@ class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
             eager (round-robin). A failure rolls back (or raises with ``on_failure="raise"``); a region that fails is
             left eager. Every captured whole step is also shadow-checked on its capture step. ``None`` or 0:
             confirmation only. Each audit costs about one eager step.
+        eval_graphs: Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole
+            evaluation step through the package's strategies, the trained level's regions through the callback alone
+            (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
+            evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
@@ -112,6 +116,7 @@ class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
         max_pool_mib: float | None = None,
         seal_after_steps: int | None = None,
         audit_every_n_steps: int | None = 1000,
+        eval_graphs: bool = True,
         compile: bool | Mapping[str, Any] = False,
         # end of options
     ) -> None:
@@ -189,6 +194,10 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
             eager (round-robin). A failure rolls back (or raises with ``on_failure="raise"``); a region that fails is
             left eager. Every captured whole step is also shadow-checked on its capture step. ``None`` or 0:
             confirmation only. Each audit costs about one eager step.
+        eval_graphs: Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole
+            evaluation step through the package's strategies, the trained level's regions through the callback alone
+            (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
+            evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
@@ -222,6 +231,7 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         max_pool_mib: float | None = None,
         seal_after_steps: int | None = None,
         audit_every_n_steps: int | None = 1000,
+        eval_graphs: bool = True,
         compile: bool | Mapping[str, Any] = False,
         # end of options
         **kwargs: Any,

@@ -18,7 +18,13 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_cudagraph._lightning import trainer_callbacks, trainer_of
+from lightning_cudagraph._lightning import (
+    accumulating,
+    accumulation_sync_blocked,
+    last_ready_batch,
+    trainer_callbacks,
+    trainer_of,
+)
 from lightning_cudagraph.backend_setting import HoldsCaptureBackend
 from lightning_cudagraph.callback import CUDAGraphCallback
 from lightning_cudagraph.config import CUDAGraphConfig
@@ -67,7 +73,10 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         rollout = self.rollout
         if rollout is not None and self.lightning_module is not None:  # whole steps: fixed, or a level of auto
-            batch = rollout.plan_whole_step(self.lightning_module.trainer, batch)
+            trainer = self.lightning_module.trainer
+            batch = rollout.plan_whole_step(trainer, batch)
+            if not trainer.training:  # evaluation steps: their own graphs' static batches
+                batch = rollout.plan_evaluation_step(trainer, batch)
         return batch
 
     @override
@@ -79,6 +88,41 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
         return output
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(lambda: super(CUDAGraphStrategyBase, self).validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(lambda: super(CUDAGraphStrategyBase, self).test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(lambda: super(CUDAGraphStrategyBase, self).predict_step(*args, **kwargs))
+
+    def _evaluation_step(self, step: Callable[[], Any]) -> Any:
+        """An evaluation step, on its forward-only graph where there is one (:mod:`lightning_cudagraph.evaluation`)."""
+        rollout, module = self.rollout, self.lightning_module
+        if rollout is None or module is None:
+            return step()
+        return rollout.run_evaluation_step(module.trainer, step)
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """Whether every micro-batch comes to :meth:`optimizer_step`, so that the whole step can graph it too.
+
+        True while a whole-step level is planned and ``accumulate_grad_batches > 1``. Lightning then calls
+        ``optimizer_step`` for the micro-batches that only accumulate as well (it still counts only real optimizer
+        steps, and steps the schedulers and loggers as usual); :meth:`optimizer_step` runs their closure as Lightning
+        would, under DDP's ``no_sync``. On an epoch's last batch it is False: Lightning steps there, as it always does.
+        """
+        rollout = self.rollout
+        if rollout is None or not rollout.whole_step_accumulation or self.lightning_module is None:
+            return False
+        trainer = self.lightning_module.trainer
+        return trainer.accumulate_grad_batches > 1 and not last_ready_batch(trainer)
+
+    @override
     def optimizer_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -87,11 +131,19 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
         **kwargs: Any,
     ) -> Any:
         rollout = self.rollout
-        run_step = lambda: super(CUDAGraphStrategyBase, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
         module = self.lightning_module
+        if module is not None and self.handles_gradient_accumulation and accumulating(module.trainer):
+            run_step = lambda: self._accumulate(closure)  # noqa: E731
+        else:
+            run_step = lambda: super(CUDAGraphStrategyBase, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
         if rollout is None or module is None:
             return run_step()
         return rollout.run_whole_step(module.trainer, closure, optimizer, run_step)
+
+    def _accumulate(self, closure: Callable[[], Any]) -> Any:
+        """A micro-batch that only accumulates, as Lightning runs it: the closure, without DDP's all-reduce."""
+        with accumulation_sync_blocked(self):
+            return closure()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

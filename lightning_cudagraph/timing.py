@@ -40,6 +40,10 @@ class StepTimer:
         if len(self._pending) > self._capacity:
             self._recycle(self._pending.pop(0))
 
+    def cancel(self) -> None:
+        """Forget the step started last (it is not to be timed)."""
+        self._open = None
+
     def read(self) -> list[float]:
         """Milliseconds of every step since the last read (one host sync on CUDA)."""
         pending, self._pending = self._pending, []

@@ -55,6 +55,10 @@ def validate(config: Config, component: str) -> None:
         _check_int(component, "seal_after_steps", config.seal_after_steps, 1, "pass an optimizer step, or None")
     if config.audit_every_n_steps is not None:
         _check_int(component, "audit_every_n_steps", config.audit_every_n_steps, 0, "pass a number of steps, or None")
+    if not isinstance(config.eval_graphs, bool):
+        raise config_error(
+            component, "eval_graphs", config.eval_graphs, "True or False", "pass eval_graphs=False for eager evaluation"
+        )
     _validate_parity_tol(config, component)
     _validate_max_graphs(config, component)
     _validate_scope(config, component)

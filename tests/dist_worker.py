@@ -81,6 +81,7 @@ class Case:
         max_steps: Optimizer steps of the fit.
         callbacks: Rank -> a callable making extra callbacks of the graphed fit on that rank.
         log_every_n_steps: The Trainer's log interval (the package's health checks run on it).
+        accumulate: ``accumulate_grad_batches`` of both fits.
     """
 
     options: dict[str, Any]
@@ -88,6 +89,7 @@ class Case:
     max_steps: int = 8
     callbacks: dict[int, Callable[[], list[Any]]] = field(default_factory=dict)
     log_every_n_steps: int = 50
+    accumulate: int = 1
 
 
 def _fails_on_rank_1(**rank_1: Any) -> dict[int, Callable[[], dict[str, Any]]]:
@@ -133,6 +135,8 @@ CASES: dict[str, Case] = {
         _fails_on_rank_1(fail_step_late=RuntimeError("injected: whole-step capture failed on rank 1")),
         max_steps=16,
     ),
+    # The whole step with two micro-batches per optimizer step: each replays a graph; the first one under no_sync.
+    "full_step_accumulates": Case({"scope": ["full_iteration"], "warmup_steps": 11}, max_steps=16, accumulate=2),
     # Not run by the tests: FakeBackend's own ``fail_step`` on rank 1. Rank 0's fake capture runs the step and its
     # gradient all-reduce, rank 1 raises before it and goes to the capture agreement: the collectives pair up wrongly
     # and gloo times out (see LateStepFailure). Kept to reproduce that.
@@ -162,7 +166,7 @@ def _plain(value: float) -> float | None:
 
 
 def _fit(
-    strategy: DDPStrategy, max_steps: int, callbacks: list[Any] = (), log_every_n_steps: int = 50
+    strategy: DDPStrategy, max_steps: int, callbacks: list[Any] = (), log_every_n_steps: int = 50, accumulate: int = 1
 ) -> tuple[Any, LossRecorder, torch.nn.Module]:
     model, data = decoder(TINY, **TINY_DATA)
     losses = LossRecorder()
@@ -173,6 +177,7 @@ def _fit(
         devices=2,
         strategy=strategy,
         log_every_n_steps=log_every_n_steps,
+        accumulate_grad_batches=accumulate,
     )
     run.fit(model, datamodule=data)
     return run, losses, model
@@ -209,13 +214,13 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
     """Fit the case on this rank (after an eager reference fit) and return what the rank reports."""
     case = CASES[name]
     reference = DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    _, eager_losses, _ = _fit(reference, case.max_steps)
+    _, eager_losses, eager_model = _fit(reference, case.max_steps, accumulate=case.accumulate)
 
     backend = LateStepFailure(**case.backend.get(rank, dict)())
     strategy = DDPCUDAGraphStrategy(**case.options, process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     strategy.capture_backend = backend
     extra = case.callbacks.get(rank, list)()
-    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps)
+    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps, case.accumulate)
 
     return {
         "case": name,
@@ -231,6 +236,7 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
         "losses": list(losses.losses),
         "eager_losses": list(eager_losses.losses),
         "params": fingerprint(model),
+        "eager_params": fingerprint(eager_model),
     }
 
 

@@ -322,10 +322,17 @@ class FakeTimer(StepTimer):
     def __init__(self, backend: FakeBackend) -> None:
         super().__init__(use_cuda=False)
         self._backend, self._times = backend, []
+        self._replays_at_start = 0
+
+    def start(self) -> None:
+        super().start()
+        self._replays_at_start = self._backend.replays_so_far
 
     def stop(self) -> None:
         if self._open is not None:
             self._open = None
+            # A step that replayed nothing ran eagerly, graphs alive or not (scope="auto"'s eager reference steps).
+            self._backend.step_replayed = self._backend.replays_so_far != self._replays_at_start
             self._times.append(self._backend.step_ms(self._backend))
 
     def read(self) -> list[float]:
@@ -368,6 +375,8 @@ class FakeBackend(CaptureBackend):
     step_graphs: list[FakeStepGraph] = field(default_factory=list)
     optimizers: list[FakeOptimizer] = field(default_factory=list)
     warmup_iters_per_pass: list[int] = field(default_factory=list)
+    #: Whether the step a :class:`FakeTimer` timed last replayed any graph (set before ``step_ms`` is asked).
+    step_replayed: bool = True
 
     @property
     def stream(self) -> None:
@@ -448,6 +457,11 @@ class FakeBackend(CaptureBackend):
     def release(self) -> None:
         self.releases += 1
         self.leave()
+
+    @property
+    def replays_so_far(self) -> int:
+        """Replays of every region and step graph so far."""
+        return sum(region.replays for region in self.regions) + sum(graph.replays for graph in self.step_graphs)
 
     @property
     def live_region_names(self) -> list[str]:

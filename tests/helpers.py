@@ -180,9 +180,11 @@ LEVEL_MS = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "full_ite
 
 def level_of(backend: FakeBackend) -> str:
     """The level of :func:`~tests.models.decoder` the step that just ended ran at, from what was alive then."""
-    if any(graph.live for graph in backend.step_graphs):
-        return "full_iteration"
+    if not backend.step_replayed:  # graphs alive, but the step ran eagerly (scope="auto"'s eager reference)
+        return "eager"
     names = backend.live_region_names
+    if not names and any(graph.live for graph in backend.step_graphs):  # a scoped level's optimizer graph has regions
+        return "full_iteration"
     if any(re.fullmatch(r"model\.blocks\.\d+", name) for name in names):
         return "layer"
     if any(name.endswith((".mlp", ".router")) for name in names):

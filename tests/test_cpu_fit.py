@@ -260,9 +260,6 @@ def test_explicit_scope_matching_nothing_raises_before_training(tmp_path, make_m
         pytest.param(
             lambda: {"callbacks": [CUDAGraphCallback(scope=["full_iteration"])]}, "cudagraph_full", id="plain-strategy"
         ),
-        pytest.param(
-            lambda: {"strategy": "cudagraph_full", "accumulate_grad_batches": 2}, "accumulate_grad_batches", id="accum"
-        ),
         pytest.param(lambda: {"strategy": "cudagraph_full", "detect_anomaly": True}, "detect_anomaly", id="anomaly"),
     ],
 )

@@ -18,7 +18,15 @@ from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.ladder import EAGER, MARGIN, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder
+from lightning_cudagraph.ladder import (
+    CHECK_STEPS,
+    EAGER,
+    MARGIN,
+    MAX_MEASURE_STEPS,
+    MEASURE_STEPS,
+    REFERENCE_STEPS,
+    Ladder,
+)
 from lightning_cudagraph.levels import Level, build_levels
 from tests.fake_backend import FakeBackend
 from tests.helpers import LEVEL_MS, assert_losses_close, fit, graph_callback, patched_forwards, timed_by_level, trainer
@@ -28,8 +36,8 @@ CPU = {"accelerator": "cpu", "devices": 1}
 WARMUP = 2
 #: Steps the climb spends per scoped level: capture and parity checks, the rest of confirmation, then the timed ones.
 STEPS_PER_LEVEL = 2 + MEASURE_STEPS
-#: Enough for every level to be timed as long as a close call takes.
-STEPS = WARMUP + 4 * (1 + MAX_MEASURE_STEPS) + 4
+#: Enough for the eager reference, every level timed as long as a close call takes, and the steady-state check.
+STEPS = WARMUP + REFERENCE_STEPS + 4 * (1 + MAX_MEASURE_STEPS) + CHECK_STEPS + 4
 
 
 def timed(**ms: float) -> FakeBackend:
@@ -165,7 +173,8 @@ def test_wider_levels_within_the_margin_are_not_kept_and_training_goes_back_to_t
     assert ladder(report)[:3] == [("attn", "kept"), ("attn+mlp", "slower"), ("layer", "slower")]
     assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
     steps = [row.steps for row in report.ladder[:3]]
-    assert steps[0] <= WARMUP + 1 + MEASURE_STEPS + 1, "a clear call is decided on a few steps (warmup counted)"
+    clear = WARMUP + REFERENCE_STEPS + 1 + MEASURE_STEPS + 1
+    assert steps[0] <= clear, "a clear call is decided on a few steps (warmup and the eager reference counted)"
     assert steps[2] >= 1 + MAX_MEASURE_STEPS, "a call within the margin is timed longer"
     assert level_of_last_capture(backend) == "attn", "the best level is captured again"
 
@@ -240,8 +249,9 @@ def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
     assert ladder(report)[:3] == [("attn", "slower"), ("attn+mlp", "skipped"), ("layer", "kept")]
     assert report.ladder[2].step_ms == LEVEL_MS["attn+mlp"], "the layer level runs its layers' dense parts"
     first_layer_pass = len(backend.warmup_iters_per_pass) - 1 - TINY["n_layer"]
-    assert backend.warmup_iters_per_pass[first_layer_pass:] == [1] + [0] * TINY["n_layer"], (
-        "a pass after a failure needs no warmup: everything left was warmed up before the failure"
+    assert backend.warmup_iters_per_pass[first_layer_pass:] == [0] * (1 + TINY["n_layer"]), (
+        "no pass warms up: every region ran eagerly on the capture stream in the steps before, and a pass after a"
+        " failure runs only what the failed pass ran"
     )
     assert report.level == "layer"
     assert_losses_close(eager.losses, run.losses, 1e-5)
@@ -351,7 +361,7 @@ def test_a_seal_before_the_ladder_settles_carries_to_every_level_and_admits_the_
     tokens = torch.randint(TINY["vocab_size"], (4, TINY["seq_len"] + 1), generator=generator)
     data = DataLoader([(tokens[:n, :-1], tokens[:n, 1:]) for n in sizes], batch_size=None)
     backend = timed()
-    strategy = auto_strategy(backend, on_shape_change="recapture", seal_after_steps=WARMUP + 6)
+    strategy = auto_strategy(backend, on_shape_change="recapture", seal_after_steps=WARMUP + REFERENCE_STEPS + 6)
     run = trainer(len(sizes), strategy=strategy, **CPU)
     with pytest.raises(RuntimeError, match=r"batch shape \[int64\[2, 16\].*is sealed"):
         run.fit(decoder(TINY)[0], data)

@@ -250,3 +250,19 @@ def test_a_whole_step_capture_that_fails_on_one_rank_rolls_back_every_rank_witho
         assert_losses_as_eager(report, steps=11)
     assert "injected: whole-step capture failed on rank 1" in rank1["reason"]
     assert "the capture failed on another rank" in rank0["reason"]
+
+
+def test_the_whole_step_with_accumulation_replays_every_micro_batch_on_every_rank(
+    ranks: Callable[[str], Ranks],
+) -> None:
+    rank0, rank1 = ranks("full_step_accumulates")
+
+    for report in (rank0, rank1):
+        assert report["finished"] and report["global_step"] == FULL_STEPS
+        assert (report["stage"], report["rollbacks"]) == (Stage.REPLAYING, 0), report["reason"]
+        assert report["captures"] == 2, "a graph for each place in the window of two"
+        assert report["steps_replayed"] >= (FULL_STEPS - 12) * 2, "the micro-batches after 11 warmup steps replay"
+        assert report["live_graphs"] == 0
+        assert_losses_as_eager(report)
+        assert report["params"]["abs_sum"] == pytest.approx(report["eager_params"]["abs_sum"], rel=1e-6)
+    assert rank0["params"] == rank1["params"], "DDP ranks ended with different parameters"

@@ -175,6 +175,10 @@ def test_with_gradient_accumulation_batchnorm_counts_every_micro_batch_as_eager_
     assert_same_batchnorm(eager.model, run.model)  # STEPS micro-batches, each counted once
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="open (issue 29): a short scope='auto' fit can end on a level not captured yet (not_engaged)",
+)
 def test_the_callbacks_auto_scope_puts_mobilenet_on_its_blocks_with_batchnorm_equal_to_eager():
     # The fake timer makes graphed steps faster than eager ones, so the ladder keeps the level it found.
     backend = FakeBackend(step_ms=lambda fake: 4.0 if fake.live_region_names else 10.0)

@@ -21,8 +21,9 @@ from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.stages import StageMachine
 
-#: Capture warmup iterations per region before its capture, for a fixed scope (eager forward-backward runs).
-CAPTURE_WARMUP_ITERS = 3
+#: Capture warmup iterations per region before its capture (eager forward-backward runs). None: every region already ran
+#: eagerly on the capture stream, with the captured shapes, in the eager steps before (Transformer Engine keeps one).
+CAPTURE_WARMUP_ITERS = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,11 @@ class Driver(ABC):
         self.before_first_capture: Callable[[], None] = lambda: None
         #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
         self.captured_any = False
+        #: Eager steps to run, recording nothing, right before the first capture: the eager reference of
+        #: ``scope="auto"`` (set by the level runner; a driver that cannot run them leaves it unused).
+        self.reference_steps = 0
+        #: Whether the step in progress is one of them.
+        self.in_reference_step = False
 
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
         return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)

@@ -24,8 +24,14 @@ from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.health import CUDAGraphReport
 from lightning_cudagraph.recording import WarmupRecorder
 from lightning_cudagraph.scopes import Target
-from lightning_cudagraph.signature import call_signature, describe_change, grad_and_autocast_state, signatures_equal
-from lightning_cudagraph.signature import positional_key as positional_key_of
+from lightning_cudagraph.signature import (
+    call_key,
+    call_signature,
+    describe_change,
+    grad_and_autocast_state,
+    positional_key,
+    signatures_equal,
+)
 
 
 class TargetForward:
@@ -234,17 +240,21 @@ class CallRouter:
 def _mismatch(
     region: RegionGraphs, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> str | None:
-    """Why this call cannot replay the region's graph, or ``None`` (a cheap check for plain positional calls)."""
+    """Why this call cannot replay the region's graph, or ``None``.
+
+    The common calls (plain containers of tensors and constants, keywords included) compare a cheap key; the full
+    signature is built only for other calls, and to say what changed.
+    """
     signature = region.signature
-    grad, autocast = grad_and_autocast_state()
-    if (
-        not kwargs
-        and signature.positional_key is not None
-        and module.training == signature.training
-        and grad == signature.grad_enabled
-        and autocast == signature.autocast
-        and positional_key_of(args) == signature.positional_key
-    ):
-        return None
+    if signature.key is not None and module.training == signature.training:
+        grad, autocast = grad_and_autocast_state()
+        if grad == signature.grad_enabled and autocast == signature.autocast:
+            if not kwargs and signature.positional_key is not None:  # module(t0, t1, ...): cheaper still
+                if positional_key(args) == signature.positional_key:
+                    return None
+            else:
+                live_key = call_key(args, kwargs)
+                if live_key is not None and live_key[0] == signature.key:
+                    return None
     live = call_signature(module, args, kwargs)
     return None if signatures_equal(signature, live) else describe_change(signature, live)

@@ -9,7 +9,7 @@ router's job (:mod:`lightning_cudagraph.drivers.routing`); release resets every 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +21,7 @@ from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.drivers.confirmation import RegionConfirmation
 from lightning_cudagraph.drivers.evidence import StateWatch
+from lightning_cudagraph.drivers.optimizer_graph import OptimizerGraph
 from lightning_cudagraph.drivers.region_capture import NarrowingCapture
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, StepRoute
@@ -56,6 +57,9 @@ class ScopedDriver(Driver):
 
     #: How regions are captured (``None``: the backend's default, PyTorch's forward/backward graph pairs).
     capture_method: CaptureMethod | None = None
+    #: Through the package's strategies, the optimizer's update is a graph of its own after the eager backward
+    #: (:mod:`~lightning_cudagraph.drivers.optimizer_graph`); ``False`` keeps it eager (benchmarks compare both).
+    graph_optimizer: bool = True
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class ScopedDriver(Driver):
         )
         self._microbatches = 1
         self._released = False
+        self.optimizer_graph = OptimizerGraph(config, component, backend, machine)
 
     def start(self, trainer: pl.Trainer) -> None:
         """Patch the targets' forwards: from now on every call goes through the router."""
@@ -98,7 +103,11 @@ class ScopedDriver(Driver):
         A batch the package cannot see into (no key) runs eagerly, counted, or graphs are off when no graph exists
         yet. Nothing happens once graphs are off.
         """
+        self.in_reference_step = False
         if not self.machine.graphs_allowed:
+            return
+        if self.captured_any and self.reference_steps > 0 and self.machine.stage == Stage.REPLAYING:
+            self._reference_step()  # the steady-state check of scope="auto": eager steps between replayed ones
             return
         key = batch_key(batch)
         if key is None:
@@ -130,8 +139,17 @@ class ScopedDriver(Driver):
         elif outcome.action is ShapeAction.FALLBACK:
             self.router.begin(StepRoute(fallback_reason=outcome.reason))
         elif outcome.action is ShapeAction.CAPTURE:
+            if not self.captured_any and self.reference_steps > 0:  # eager, nothing recorded: the eager reference
+                self._reference_step()
+                return None
             return self.capture.capture_shape(batch, outcome, self.capture_method)
         return None
+
+    def _reference_step(self) -> None:
+        """An eager step that records and counts nothing: ``scope="auto"`` times it as eager training."""
+        self.reference_steps -= 1
+        self.in_reference_step = True
+        self.router.begin(StepRoute())
 
     def end_step(self, outputs: Any) -> None:
         """Close the batch and weigh what confirmation saw (stage 5)."""
@@ -205,6 +223,7 @@ class ScopedDriver(Driver):
         for graph_set in self.graph_sets.clear():
             graph_set.reset()
         self.report.graphs = 0
+        self.optimizer_graph.level_changed()
         self.regions.set_active(names)
         return True
 
@@ -227,3 +246,18 @@ class ScopedDriver(Driver):
         finally:
             self.report.graphs = 0
             self.recorder.clear()  # its sample inputs are device tensors
+            self.optimizer_graph.release()
+
+    # ------------------------------------------------------------------ the optimizer step (package strategies only)
+    def run(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
+        """The strategy's ``optimizer_step``: the eager step, its update replayed as a graph once regions replay."""
+        if not self.graph_optimizer or self._released:
+            return run_step()
+        # An eager reference step of scope="auto" (if this driver takes them) times eager training: its update too.
+        reference = getattr(self, "in_reference_step", False)
+        live = self.captured_any and self.machine.stage != Stage.WARMUP and not reference
+        return self.optimizer_graph.run(trainer, optimizer, run_step, graphs_live=live)
+
+    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
+        """Save optimizers as the user built them (the optimizer graph runs them in their capturable form)."""
+        self.optimizer_graph.save_checkpoint(optimizers, checkpoint)

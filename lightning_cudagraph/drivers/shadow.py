@@ -59,13 +59,18 @@ def compare(
     graph_params: list[Tensor],
     graph_loss: Tensor | None,
     eager_loss: Tensor | None,
+    graph_grads: list[Tensor | None] | None = None,
+    zeroed: bool = True,
 ) -> Verdict:
     """Weigh the graph's step (``graph_params``, ``graph_loss``) against the eager step now in ``state`` 's tensors.
 
-    The difference is the larger of the parameter update's (:meth:`TrainingState.update_error_of`) and the loss's,
-    both relative; one host sync reads it.
+    The difference is the largest of the parameter update's (:meth:`TrainingState.update_error_of`), the loss's and,
+    for a micro-batch that only accumulates, the gradients' (``graph_grads``, measured against what the step added:
+    all of the gradient when it ``zeroed`` them first), all relative; one host sync reads it.
     """
     error = state.update_error_of(graph_params).float()
+    if graph_grads is not None:
+        error = torch.maximum(error, state.gradient_error_of(graph_grads, zeroed).float().to(error.device))
     figures = [error]
     if graph_loss is not None and eager_loss is not None:
         graph, eager = graph_loss.detach().float().to(error.device), eager_loss.detach().float().to(error.device)

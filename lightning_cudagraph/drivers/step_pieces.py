@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._lightning import StepLogs
 from lightning_cudagraph.batches import copy_into
+from lightning_cudagraph.drivers.accumulation import Place, Position
 from lightning_cudagraph.graphs.backend import StepGraph
 
 
@@ -30,6 +31,7 @@ class WholeStep:
         logs: The ``self.log`` calls ``training_step`` made while captured, re-issued after each replay.
         confirm_left: Replays still to be checked before this shape's graph is trusted.
         shadowed: Whether a shadow step (the graph against the eager step from the same state) has checked it.
+        grads: The gradient tensors the graph writes (a first micro-batch) or adds into (a later one), per parameter.
     """
 
     static_batch: Any
@@ -38,6 +40,7 @@ class WholeStep:
     logs: StepLogs = field(default_factory=StepLogs)
     confirm_left: int = 0
     shadowed: bool = False
+    grads: list[Tensor | None] | None = None
 
     def stage(self, batch: Any) -> Any:
         """Copy ``batch`` into the static buffers and return them (no host sync)."""
@@ -53,8 +56,44 @@ class WholeStep:
         if self.graph is not None:
             self.graph.reset()
         self.graph = None
-        self.static_batch = self.output = None
+        self.static_batch = self.output = self.grads = None
         self.logs.clear()
+
+
+@dataclass(eq=False)
+class StepWindow:
+    """The captured steps of one batch shape, one per position in the accumulation window.
+
+    Attributes:
+        parts: The captured step of each position seen so far.
+    """
+
+    parts: dict[Position, WholeStep] = field(default_factory=dict)
+
+    def needed(self, accumulate: int) -> list[Position]:
+        """The positions a full window of ``accumulate`` micro-batches runs."""
+        if accumulate == 1:
+            return [Position(Place.SINGLE, 1)]
+        places = [Place.FIRST, *([Place.MIDDLE] if accumulate > 2 else []), Place.LAST]
+        return [Position(place, accumulate) for place in places]
+
+    def confirmed(self, accumulate: int) -> bool:
+        """Whether every position of a full window is captured, shadow-checked and replayed ``confirm_steps`` times."""
+        parts = [self.parts.get(position) for position in self.needed(accumulate)]
+        return all(part is not None and part.shadowed and part.confirm_left <= 0 for part in parts)
+
+    def first(self, accumulate: int) -> WholeStep | None:
+        """The captured first micro-batch of a window of ``accumulate`` (it sets the gradients later ones add to)."""
+        return self.parts.get(Position(Place.FIRST, accumulate))
+
+    def reset(self) -> None:
+        """Free every part's graph and static buffers."""
+        parts, self.parts = list(self.parts.values()), {}
+        for part in parts:
+            part.reset()
+
+    def __len__(self) -> int:
+        return len(self.parts)
 
 
 @dataclass(frozen=True)
@@ -66,20 +105,26 @@ class EagerStep:
 
 @dataclass(frozen=True)
 class CaptureStep:
-    """Capture the step for this batch signature (its batch is the graph's static batch), then replay it."""
+    """Capture the step for this batch signature and position (its batch becomes the static batch), then replay it."""
 
     key: tuple[Any, ...]
     whole: WholeStep
     #: The batch key whose captured step this capture evicts (``on_shape_change="recapture"``, the cache full).
-    evicts: tuple[Any, ...] | None = None
+    evicts: tuple[Any, ...] | None
+    #: The shape's captured steps, which this one joins.
+    window: StepWindow
+    #: The micro-batch's place in its accumulation window.
+    position: Position
 
 
 @dataclass(frozen=True)
 class ReplayStep:
-    """Replay the step captured for this batch signature."""
+    """Replay the step captured for this batch signature and position."""
 
     key: tuple[Any, ...]
     whole: WholeStep
+    #: The micro-batch's place in its accumulation window.
+    position: Position
 
 
 #: What the next optimizer step does.

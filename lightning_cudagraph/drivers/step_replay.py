@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_cudagraph._lightning import set_closure_result, step_loss
+from lightning_cudagraph.drivers.accumulation import Place
 from lightning_cudagraph.drivers.shadow import compare
 from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
 from lightning_cudagraph.drivers.step_pieces import NonFiniteFlags, WholeStep
@@ -52,9 +53,16 @@ class StepReplays:
         self._since_audit += 1
         return self._since_audit >= self._audit_every
 
-    def replay(self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any, reissue: bool = True) -> Any:
-        """Replay ``whole`` on its static batch; with ``reissue``, hand Lightning the output and the logs."""
-        self.optimizers.refresh()
+    def replay(
+        self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any, reissue: bool = True, steps: bool = True
+    ) -> Any:
+        """Replay ``whole`` on its static batch; with ``reissue``, hand Lightning the output and the logs.
+
+        ``steps``: whether the graph holds the optimizer step (a micro-batch that only accumulates has none, so the
+        learning rates need no refresh).
+        """
+        if steps:
+            self.optimizers.refresh()
         self.flags.current_step.fill_(trainer.global_step)
         if whole.graph is None:
             raise RuntimeError("a whole step replays only once it is captured")
@@ -76,20 +84,25 @@ class StepReplays:
         run_step: Callable[[], Any],
         module: Any,
         state: TrainingState,
+        place: Place = Place.SINGLE,
     ) -> Any:
         """Check the graph against the eager step from the same state on the same batch; train on the eager one.
 
-        The graph replays first, from ``state`` (a copy of everything the step changes); its loss and parameters
-        are kept, the copy is put back, and the step runs eagerly: that is the step training keeps, so a graph that
-        fails the check never touched the weights. One host sync, for the decision.
+        The graph replays first, from ``state`` (a copy of everything the step changes); its loss, parameters and
+        (for a micro-batch that only accumulates, ``place``) gradients are kept, the copy is put back, and the step
+        runs eagerly: that is the step training keeps, so a graph that fails the check never touched the weights.
+        One host sync, for the decision.
         """
         whole.shadowed, self._since_audit = True, 0
-        graphed = self.replay(whole, trainer, closure, module, reissue=False)
+        graphed = self.replay(whole, trainer, closure, module, reissue=False, steps=place.steps)
         graph_loss, graph_params = step_loss(graphed), state.parameters_now()
+        graph_grads = None if place.steps else state.gradients_now()
+        if graph_loss is not None:  # Lightning's closure hands back the loss divided by the window's length
+            graph_loss = graph_loss / trainer.accumulate_grad_batches
         state.restore()
         output = run_eagerly(run_step)
         state.keep_gradient_buffers()
-        verdict = compare(trainer, state, graph_params, graph_loss, step_loss(output))
+        verdict = compare(trainer, state, graph_params, graph_loss, step_loss(output), graph_grads, place.zeroes)
         self.report.audits += 1
         previous = self.report.parity_err
         self.report.parity_err = verdict.error if math.isnan(previous) else max(previous, verdict.error)

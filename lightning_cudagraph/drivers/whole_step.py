@@ -17,9 +17,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_cudagraph._lightning import accumulating
 from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason, own_copy
 from lightning_cudagraph.compiling import CompiledModules, called_modules
 from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.drivers.accumulation import GradientBinding, Position
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.drivers.evidence import StateWatch
 from lightning_cudagraph.drivers.shadow import precision_state
@@ -33,6 +35,7 @@ from lightning_cudagraph.drivers.step_pieces import (
     NonFiniteFlags,
     ReplayStep,
     StepPlan,
+    StepWindow,
     WholeStep,
 )
 from lightning_cudagraph.drivers.step_replay import StepReplays, run_eagerly
@@ -43,7 +46,11 @@ from lightning_cudagraph.stages import StageMachine
 
 
 class WholeStepDriver(Driver):
-    """Captures and replays whole training steps, one per batch signature.
+    """Captures and replays whole training steps, one per batch signature and place in the accumulation window.
+
+    With gradient accumulation, each place of a micro-batch in its window (:mod:`~lightning_cudagraph.drivers.
+    accumulation`) is a graph of its own: the first zeroes the gradients, the last steps the optimizer. A window's
+    later places are captured once its first is, and add into the gradients the first one's graph writes.
 
     Args:
         config, component, backend, machine, settings: See :class:`~lightning_cudagraph.drivers.base.Driver`.
@@ -61,7 +68,7 @@ class WholeStepDriver(Driver):
     ) -> None:
         super().__init__(config, component, backend, machine, settings)
         self.compiled = compiled
-        self.steps: ShapeCache[WholeStep] = self._shape_cache(WholeStep.reset)
+        self.steps: ShapeCache[StepWindow] = self._shape_cache(StepWindow.reset)
         self.shapes = ShapeDecision(config.on_shape_change, self.steps, machine, component)
         self.optimizers = StepOptimizers(backend)
         self.flags = NonFiniteFlags(self.backend.device)
@@ -69,12 +76,15 @@ class WholeStepDriver(Driver):
         self.replays = StepReplays(machine, self.optimizers, self.flags, config.audit_every_n_steps)
         self.state = StateWatch()
         self._plan: StepPlan | None = None
-        self._first: WholeStep | None = None
+        self._first: StepWindow | None = None
         self._sightings: dict[tuple[Any, ...], int] = {}
+        self._position = Position.at(0, 1, last_batch=False)
+        self.binding = GradientBinding([])
 
     def start(self, trainer: pl.Trainer) -> None:
         """Switch optimizers to their capturable form for the whole fit, so their arithmetic never changes mid-run."""
         self.replays.checked_until = trainer.global_step
+        self.binding = GradientBinding(list(trainer.lightning_module.parameters()))
         for optimizer in trainer.optimizers:
             self.optimizers.prepare(optimizer)
         if self.compiled is not None:
@@ -99,13 +109,17 @@ class WholeStepDriver(Driver):
             else:
                 self.machine.disable("opaque_batch", detail=opaque_reason(batch))
             return batch
+        position = self._position = Position.of(trainer)
         seen = self._sightings.get(key, 0)
         outcome = self.shapes.decide(key, seen, self.eager_steps_needed())
         if outcome.action is ShapeAction.REPLAY:
-            self._plan = ReplayStep(key, outcome.held)
-            return outcome.held.stage(batch)
+            return self._plan_in_window(key, outcome.held, position, batch)
         if outcome.action is ShapeAction.FALLBACK:
             self._plan = EagerStep(fallback=outcome.reason)
+            return batch
+        if not position.place.zeroes:  # a shape's warmup and capture count windows, which start at a first micro-batch
+            if outcome.reason is not None:
+                self._plan = EagerStep(fallback=outcome.reason)
             return batch
         self._sightings[key] = seen + 1
         if outcome.action is ShapeAction.EAGER:  # this shape's own eager steps
@@ -113,10 +127,29 @@ class WholeStepDriver(Driver):
             return batch
         if outcome.action is ShapeAction.WAIT:
             return batch
+        return self._plan_capture(key, StepWindow(), position, batch, outcome.evicts)
+
+    def _plan_in_window(self, key: tuple[Any, ...], window: StepWindow, position: Position, batch: Any) -> Any:
+        """A shape with graphs: replay this position's, or capture it, or run eagerly (a window started eagerly)."""
+        part = window.parts.get(position)
+        if part is not None and (position.place.zeroes or self.binding.holds(part.grads)):
+            self._plan = ReplayStep(key, part, position)
+            return part.stage(batch)
+        first = window.first(position.accumulate)
+        if part is None and (position.place.zeroes or (first is not None and self.binding.holds(first.grads))):
+            return self._plan_capture(key, window, position, batch)
+        self._plan = EagerStep(
+            fallback=f"accumulation: {position.describe()} runs eagerly, as its window's first micro-batch did"
+        )
+        return batch
+
+    def _plan_capture(
+        self, key: tuple[Any, ...], window: StepWindow, position: Position, batch: Any, evicts: Any = None
+    ) -> Any:
         # A copy of this batch becomes the static buffers of the step about to be captured: later batches are copied
         # into it, so it must never be the user's own tensors (a dataset on the device would be overwritten).
         whole = WholeStep(static_batch=own_copy(batch), confirm_left=self.config.confirm_steps)
-        self._plan = CaptureStep(key, whole, outcome.evicts)
+        self._plan = CaptureStep(key, whole, evicts, window, position)
         return whole.static_batch
 
     # ------------------------------------------------------------------ carrying it out (``optimizer_step``)
@@ -125,12 +158,16 @@ class WholeStepDriver(Driver):
     ) -> Any:
         """Run the optimizer step as planned: eagerly, or captured then replayed."""
         plan, self._plan = self._plan, None
+        if plan is not None and not isinstance(plan, EagerStep) and accumulating(trainer) == plan.position.place.steps:
+            plan = EagerStep(fallback=f"accumulation: the loop did not run the planned {plan.position.describe()}")
         if plan is None or isinstance(plan, EagerStep) or not self.machine.graphs_allowed:
             if self.machine.graphs_allowed and self.captured_any:
                 self.report.steps_eager += 1
                 if isinstance(plan, EagerStep) and plan.fallback is not None:
                     self.report.count_fallback(plan.fallback)
-            return run_eagerly(run_step)
+            output = run_eagerly(run_step)
+            self.binding.after_eager()
+            return output
         module = trainer.lightning_module
         problem = self.optimizers.settings_problem()
         if problem is not None:  # a setting moved during the warmup steps (it moves every step) or since capture
@@ -144,17 +181,34 @@ class WholeStepDriver(Driver):
             if not self._capture(plan, optimizer, run_step, module, state):
                 return run_eagerly(run_step)
             if first:
-                self._first = plan.whole
+                self._first = plan.window
                 self.machine.begin_confirmation()
-            return self.replays.shadow(plan.whole, trainer, closure, run_step, module, state)
+            return self._shadow(plan, trainer, closure, run_step, module, state)
         problem = self.state.problem()
         if problem is not None:
             self.machine.rollback(problem)
             return run_eagerly(run_step)
+        if plan.position.place.zeroes and plan.whole.grads is not None:  # an eager step moved them: point them back
+            self.binding.bind(plan.whole.grads)
         if self.replays.audit_due():
             state = self._state_before_step(trainer, module)
-            return self.replays.shadow(plan.whole, trainer, closure, run_step, module, state)
-        return self.replays.replay(plan.whole, trainer, closure, module)
+            return self._shadow(plan, trainer, closure, run_step, module, state)
+        return self.replays.replay(plan.whole, trainer, closure, module, steps=plan.position.place.steps)
+
+    def _shadow(
+        self,
+        plan: CaptureStep | ReplayStep,
+        trainer: pl.Trainer,
+        closure: Any,
+        run_step: Callable[[], Any],
+        module: Any,
+        state: TrainingState,
+    ) -> Any:
+        """A shadow step; the eager step it keeps leaves its gradients in the graph's, for the window's later steps."""
+        output = self.replays.shadow(plan.whole, trainer, closure, run_step, module, state, plan.position.place)
+        if plan.whole.grads is not None and self.machine.graphs_allowed:  # not when the check rolled back
+            self.binding.adopt(plan.whole.grads)
+        return output
 
     def _state_before_step(self, trainer: pl.Trainer, module: Any) -> TrainingState:
         return TrainingState.take(module, self.optimizers.user, self.backend.device, precision_state(trainer))
@@ -173,10 +227,24 @@ class WholeStepDriver(Driver):
         started = time.perf_counter()
         metrics = self.capture.capture(whole, run_step, module, before)
         if metrics is None:
+            self.binding.forget()
             return False
-        self.steps.add(plan.key, whole)
+        # A first micro-batch's graph writes gradient tensors of its own; a later one adds into its window's.
+        if not plan.position.place.zeroes and not self.binding.verify():
+            whole.reset()
+            before.restore()
+            self.machine.rollback(
+                f"accumulation_rebound: capturing {plan.position.describe()} replaced parameters' .grad tensors"
+                " instead of adding into them, so the window's graphs would not share gradients. Fix: do not assign"
+                " .grad in training_step or backward hooks, or pass accumulate_grad_batches=1 with a larger batch"
+            )
+            return False
+        whole.grads = self.binding.gradients() if plan.position.place.zeroes else self.binding.bound
+        plan.window.parts[plan.position] = whole
+        if plan.key not in self.steps:
+            self.steps.add(plan.key, plan.window)
         self._sightings.pop(plan.key, None)
-        if not self.count_capture(started, len(self.steps), undo=before.restore):
+        if not self.count_capture(started, self.graph_count(), undo=before.restore):
             return False
         updated = metrics.changed()
         if updated:
@@ -187,11 +255,18 @@ class WholeStepDriver(Driver):
         if first:  # later shapes must read the same tensors: a rebind in between is caught, not re-watched
             self.state.watch((*module.named_parameters(), *module.named_buffers()))
         evicted = f"; evicted batch {describe_batch_key(plan.evicts)}" if plan.evicts is not None else ""
-        rank_zero_info(f"{self.component}: captured the whole step for batch {describe_batch_key(plan.key)}{evicted}")
+        where = f" ({plan.position.describe()})" if plan.position.accumulate > 1 else ""
+        rank_zero_info(
+            f"{self.component}: captured the whole step for batch {describe_batch_key(plan.key)}{where}{evicted}"
+        )
         return True
 
+    def graph_count(self) -> int:
+        """Captured step graphs, every batch shape and place in the window."""
+        return sum(len(window) for window in self.steps.values())
+
     @property
-    def shape_cache(self) -> ShapeCache[WholeStep]:
+    def shape_cache(self) -> ShapeCache[StepWindow]:
         """The captured steps by batch shape."""
         return self.steps
 
@@ -210,8 +285,8 @@ class WholeStepDriver(Driver):
             self.compiled.active = False
         if not self.machine.graphs_allowed:
             return
-        shape = self._first
-        if self.machine.stage == Stage.CONFIRMING and shape is not None and shape.confirm_left <= 0 and shape.shadowed:
+        window, accumulate = self._first, self._position.accumulate
+        if self.machine.stage == Stage.CONFIRMING and window is not None and window.confirmed(accumulate):
             count, first = self.flags.read_and_clear()  # the decision's one host sync
             self.machine.confirm(graphs=self.report.graphs, nonfinite_first_step=first if count else None)
 
@@ -232,10 +307,11 @@ class WholeStepDriver(Driver):
         """Reset every step graph and give the optimizers and compiled modules back (even when a reset fails)."""
         self._plan = self._first = None
         self.capture.release()
+        self.binding.forget()
         steps = self.steps.clear()
         try:
-            for whole in steps:
-                whole.reset()
+            for window in steps:
+                window.reset()
         finally:
             self.report.graphs = 0
             if self.compiled is not None:

@@ -1,9 +1,12 @@
 """The host side of a CUDA capture: one graph's capture on the current stream, and the garbage collector around a pass.
 
 ``torch.cuda.graph`` syncs the device, runs ``gc.collect()`` and empties the allocator's cache before every graph.
-A scoped pass captures two graphs per region, and those calls were most of its host time. Here a pass collects once
-and freezes the collector (as Megatron-Core does), so that the collections Python triggers while the capture
-allocates only scan the objects made since; each graph then begins without a sync.
+A scoped pass captures two graphs per region, and those calls were most of its host time. Here a pass collects the
+young generations once and freezes the collector (as Megatron-Core does), so that the collections Python triggers
+while the capture allocates only scan the objects made since; each graph then begins without a sync. A full
+collection walks every object of the process (a large one pays tens of milliseconds for it): the garbage a training
+step leaves (autograd's cycles) is young, and whatever an older generation holds only costs memory, never a wrong
+graph.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ import torch
 
 __all__ = ["gc_frozen", "graph_capture"]
 
+#: The capture path before 0.x's faster capture (a full collection before a pass, a device sync after its warmups,
+#: three warmup iterations per region): kept reachable for the benchmark that measures the difference.
+_PREVIOUS_CAPTURE = False
+
 
 @contextmanager
 def gc_frozen() -> Iterator[None]:
-    """Collect once, then freeze the garbage collector's tracked objects for the body; unfreeze on every exit.
+    """Collect the young generations once, then freeze the collector's tracked objects for the body; unfreeze on exit.
 
     A collector the process froze itself (a forking server's ``gc.freeze()``) is left as it is: unfreezing would
     hand its objects back to the collector.
@@ -35,7 +42,7 @@ def gc_frozen() -> Iterator[None]:
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
+    gc.collect(2 if _PREVIOUS_CAPTURE else 1)
     gc.freeze()
     try:
         yield

@@ -107,7 +107,12 @@ class CUDABackend(CaptureBackend):
     def capture_regions(
         self, calls: Sequence[RecordedCall], warmup_iters: int, capture: CaptureMethod | None = None
     ) -> CapturePassResult:
-        """Capture with ``capture`` (PyTorch's forward/backward pairs by default) on the side stream, GC frozen."""
+        """Capture with ``capture`` (PyTorch's forward/backward pairs by default) on the side stream, GC frozen.
+
+        Another method (Transformer Engine's) gets at least one warmup iteration: its FP8 state is its own.
+        """
+        if capture is not None:
+            warmup_iters = max(warmup_iters, 1)
         capture = capture or capture_regions
         with gc_frozen():
             return capture(calls, pool=self.pool, stream=self.stream, warmup_iters=warmup_iters)

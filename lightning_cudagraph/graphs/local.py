@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
+from lightning_cudagraph.graphs import capture
 from lightning_cudagraph.graphs.backend import CapturePassResult, RecordedCall
 from lightning_cudagraph.graphs.capture import graph_capture
 from lightning_cudagraph.signature import CallSignature, distinct_tensors, rebuild_call
@@ -175,7 +176,8 @@ def capture_regions(
                     for _ in range(warmup_iters):
                         outputs, _ = functions[name](*call.samples)
                         _grads_of(outputs, surfaces[name], None)
-            torch.cuda.current_stream().synchronize()
+            if capture._PREVIOUS_CAPTURE:  # the capture runs on the warmups' stream, after them: no wait is needed
+                torch.cuda.current_stream().synchronize()
             warmed = True
             for call in calls:
                 name = call.name

@@ -1,0 +1,156 @@
+"""What both kinds of evaluation graph share: the trust rule, the per-key cache, and the loop's figures.
+
+An evaluation graph (a whole evaluation step, or one region's forward) is captured on the second time its key is
+seen (the first run is its eager warmup), replayed once on the capture's inputs and compared with the eager result
+of the same inputs before it is trusted. A graph that fails its capture or that check is dropped, and that key (or
+the whole loop) runs eagerly with the reason; with ``on_failure="raise"`` the failure raises instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, Protocol, TypeVar
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from lightning_cudagraph.drivers.evidence import relative_error
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.health import EvaluationRecord
+
+__all__ = ["CaptureCost", "EvalFailure", "EvalGraphCache", "FailurePolicy", "parity_of"]
+
+
+class Resettable(Protocol):
+    """A cached evaluation graph: frees its graph on :meth:`reset`."""
+
+    def reset(self) -> None:
+        """Free the graph and its buffers."""
+
+
+G = TypeVar("G", bound=Resettable)
+
+
+class EvalFailure(RuntimeError):
+    """An evaluation graph failed its capture or its parity check, with ``on_failure="raise"``."""
+
+
+class FailurePolicy:
+    """What a failed evaluation graph does: warn and run eagerly (``"eager"``), or raise (``"raise"``).
+
+    Args:
+        component: Named in messages.
+        on_failure: ``"eager"`` or ``"raise"``.
+        record: The failure's reason lands in ``record.reason``.
+
+    Example:
+        >>> import warnings
+        >>> policy = FailurePolicy("CUDAGraphStrategy", "eager", EvaluationRecord())
+        >>> with warnings.catch_warnings(record=True):
+        ...     policy.fail("eval_parity: off by 2x")
+        >>> policy.record.reason
+        'eval_parity: off by 2x'
+    """
+
+    def __init__(self, component: str, on_failure: str, record: EvaluationRecord) -> None:
+        self.component, self.on_failure, self.record = component, on_failure, record
+
+    def fail(self, reason: str, error: BaseException | None = None) -> None:
+        """Say loudly why this graph is not used (or raise)."""
+        self.record.reason = reason
+        message = f"{self.component}: evaluation runs eagerly here: {reason}"
+        if self.on_failure == "raise":
+            raise EvalFailure(message) from error
+        rank_zero_warn(message)
+
+
+def parity_of(reference: Sequence[Tensor], graphed: Sequence[Tensor]) -> float:
+    """Largest relative difference between the eager and the graphed tensors (one host sync, at capture only)."""
+    if not reference and not graphed:
+        return 0.0
+    return float(relative_error(list(reference), list(graphed)))
+
+
+class EvalGraphCache(Generic[G]):
+    """Evaluation graphs by key, at most ``limit`` of them (least recently used evicted), and the sightings of keys.
+
+    Args:
+        limit: Most graphs held.
+
+    Example:
+        >>> cache = EvalGraphCache(limit=2)
+        >>> cache.sighted("a"), cache.sighted("a")
+        (1, 2)
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._graphs: OrderedDict[Hashable, G] = OrderedDict()
+        self._sightings: dict[Hashable, int] = {}
+        #: Keys that run eagerly for good (a failed capture or parity check), with the reason.
+        self.eager: dict[Hashable, str] = {}
+
+    def get(self, key: Hashable) -> G | None:
+        """The graph of ``key`` (marked as used), or ``None``."""
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+        return graph
+
+    def sighted(self, key: Hashable) -> int:
+        """Count one more sighting of ``key`` without a graph; the count so far."""
+        self._sightings[key] = self._sightings.get(key, 0) + 1
+        return self._sightings[key]
+
+    def add(self, key: Hashable, graph: G) -> None:
+        """Hold ``graph`` for ``key``, evicting the least recently used graph beyond :attr:`limit`."""
+        self._graphs[key] = graph
+        self._sightings.pop(key, None)
+        while len(self._graphs) > self.limit:
+            _, evicted = self._graphs.popitem(last=False)
+            evicted.reset()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Reset and forget every graph, sighting and eager key."""
+        graphs, self._graphs = list(self._graphs.values()), OrderedDict()
+        self._sightings.clear()
+        self.eager.clear()
+        for graph in graphs:
+            graph.reset()
+
+
+class CaptureCost:
+    """What one capture costs: host time, and the memory it adds to the pool plus its static inputs.
+
+    Args:
+        backend: Reads the pool (once before and once after: a capture-time cost, never per replay).
+        static: The tensors the graph reads across replays that were made for it (its static inputs).
+
+    Example:
+        >>> cost = CaptureCost(backend, inputs)  # doctest: +SKIP
+        >>> graph = backend.capture_step(body)  # doctest: +SKIP
+        >>> cost.count(record, parity, live=lambda: 1)  # doctest: +SKIP
+    """
+
+    def __init__(self, backend: CaptureBackend, static: Sequence[Tensor]) -> None:
+        self.backend = backend
+        self._inputs_mib = sum(t.numel() * t.element_size() for t in static) / 2**20
+        self._pool_mib = backend.pool_mib()
+        self._started = time.perf_counter()
+
+    def elapsed_ms(self) -> float:
+        """Host milliseconds since the capture began."""
+        return (time.perf_counter() - self._started) * 1e3
+
+    def count(self, record: EvaluationRecord, error: float, live: Callable[[], int]) -> None:
+        """A trusted capture: the record's counters, the largest parity error, the memory and time it took."""
+        record.captures += 1
+        record.graphs = live()
+        record.memory_mib += max(self.backend.pool_mib() - self._pool_mib, 0.0) + self._inputs_mib
+        record.parity_err = error if math.isnan(record.parity_err) else max(record.parity_err, error)

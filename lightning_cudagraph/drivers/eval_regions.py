@@ -1,0 +1,223 @@
+"""Forward-only graphs of the trained level's regions, for evaluation loops run through the callback alone.
+
+The training graphs of a scoped level hold autograd state (a forward graph paired with its backward) and cannot be
+replayed under ``torch.no_grad()`` or inference mode. During an evaluation loop each trained region gets graphs of
+its own: its forward, captured under the loop's grad mode, one per call signature. The region's ``forward`` is
+wrapped for the loop only, on top of whatever the training driver installed, and given back when the loop ends.
+The step's Python (``self.log``, metrics, everything between the regions) stays eager, so every log call and
+metric update runs as it would without graphs.
+
+A signature's first call runs eagerly (its warmup); its second runs eagerly as the real call, then the graph is
+captured on copies of the same inputs and replayed once, and kept only if it gives the eager output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, FailurePolicy, parity_of
+from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
+from lightning_cudagraph.health import EvaluationRecord
+from lightning_cudagraph.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
+
+__all__ = ["EvalRegionGraphs", "RegionForward"]
+
+
+@dataclass(eq=False)
+class _RegionGraph:
+    """One region's forward for one call signature: static inputs, graph, static outputs."""
+
+    signature: CallSignature
+    inputs: list[Tensor]
+    graph: StepGraph | None = None
+    output: Any = None
+    leaves: list[Any] | None = None
+    spec: Any = None
+
+    def reset(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.output, self.leaves, self.inputs = None, None, None, []
+
+
+class RegionForward:
+    """Installed as a region module's ``forward`` for one evaluation loop; hands each call to the owner."""
+
+    def __init__(self, name: str, module: torch.nn.Module, owner: EvalRegionGraphs) -> None:
+        self.name, self.module, self._owner = name, module, owner
+        self.run = module.forward  # what the call runs eagerly (the training driver's forward, or the module's)
+        self._had = "forward" in module.__dict__
+        self._previous = module.__dict__.get("forward")
+        #: Graphs by positional key (plain positional calls), and by full signature for the rest.
+        self.by_key: dict[Any, _RegionGraph] = {}
+        #: Graphs captured for this region (call signatures), at most the owner's ``limit``.
+        self.captured = 0
+        module.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Replay the region's evaluation graph, or run the call eagerly."""
+        return self._owner.call(self, args, kwargs)
+
+    def restore(self) -> None:
+        """Give the module the forward it had before the loop."""
+        if self._had:
+            self.module.__dict__["forward"] = self._previous
+        else:
+            self.module.__dict__.pop("forward", None)
+
+
+class EvalRegionGraphs:
+    """Forward-only graphs of some regions during evaluation loops, in the backend's pool.
+
+    Args:
+        backend: Captures and replays.
+        record: The evaluation figures of the report.
+        policy: What a failed capture or parity check does.
+        component: Named in messages.
+        tolerance: Largest relative difference between a graph and the eager forward allowed.
+        limit: Most graphs held per region (call signatures).
+
+    Example:
+        >>> regions = EvalRegionGraphs(backend, record, policy, "CUDAGraphCallback", 1e-4, 4)  # doctest: +SKIP
+        >>> regions.install([("model.blocks.0", block)])  # at the loop's start  # doctest: +SKIP
+        >>> regions.restore()  # at its end  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        backend: CaptureBackend,
+        record: EvaluationRecord,
+        policy: FailurePolicy,
+        component: str,
+        tolerance: float,
+        limit: int,
+    ) -> None:
+        self.backend, self.record, self.policy = backend, record, policy
+        self.component, self.tolerance = component, tolerance
+        # Every region holds up to ``limit`` signatures; the cache itself never evicts a region for another one.
+        self.cache: EvalGraphCache[_RegionGraph] = EvalGraphCache(limit=1 << 30)
+        self.limit = limit
+        self._forwards: list[RegionForward] = []
+
+    def install(self, regions: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        """Wrap the regions' forwards for this loop (idempotent)."""
+        if not self._forwards:
+            self._forwards = [RegionForward(name, module, self) for name, module in regions]
+
+    def restore(self) -> None:
+        """Give every region its forward back, innermost wrap last (idempotent); the graphs stay for the next loop."""
+        forwards, self._forwards = self._forwards, []
+        for forward in reversed(forwards):
+            forward.restore()
+
+    @property
+    def installed(self) -> bool:
+        """Whether the regions' forwards are wrapped now."""
+        return bool(self._forwards)
+
+    def call(self, forward: RegionForward, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One region call: replay its graph, or run it eagerly (and capture on the signature's second call)."""
+        fast = _fast_key(args, kwargs, forward.module)
+        entry = forward.by_key.get(fast) if fast is not None else None
+        if entry is not None and entry.graph is not None:
+            return self._replay(entry, args, kwargs)
+        signature = call_signature(forward.module, args, kwargs)
+        key = (forward.name, signature)
+        cached = self.cache.get(key)
+        if cached is not None and cached.graph is not None:
+            return self._replay(cached, args, kwargs)
+        if key in self.cache.eager:
+            self.record.fallbacks += 1
+            return forward.run(*args, **kwargs)
+        if self.cache.sighted(key) < 2 or forward.captured >= self.limit:
+            return forward.run(*args, **kwargs)
+        return self._capture(forward, key, signature, fast, args, kwargs)
+
+    def _replay(self, entry: _RegionGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for buffer, value in zip(entry.inputs, distinct_tensors(entry.signature, args, kwargs), strict=True):
+            if buffer.data_ptr() != value.data_ptr():
+                buffer.copy_(value)
+        assert entry.graph is not None, "a cached region graph always holds its graph"
+        entry.graph.replay()
+        self.record.replays += 1
+        tensors = iter(t.clone() for t in _tensor_leaves(entry.output))  # the next replay rewrites the outputs
+        leaves = [next(tensors) if isinstance(leaf, Tensor) else leaf for leaf in entry.leaves or ()]
+        return pytree.tree_unflatten(leaves, entry.spec)
+
+    def _capture(
+        self,
+        forward: RegionForward,
+        key: tuple[str, CallSignature],
+        signature: CallSignature,
+        fast: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        reference = forward.run(*args, **kwargs)  # the real call, eager
+        entry = _RegionGraph(signature, [t.detach().clone() for t in distinct_tensors(signature, args, kwargs)])
+        cost = CaptureCost(self.backend, entry.inputs)
+        static_args, static_kwargs = rebuild_call(signature, entry.inputs)
+
+        def body() -> None:
+            entry.output = forward.run(*static_args, **static_kwargs)
+
+        error: Exception | None = None
+        try:
+            with self.backend.preserved([forward.module]), self.backend.failure_guard():
+                entry.graph = self.backend.capture_step(body)
+            entry.graph.replay()
+        except Exception as err:
+            error = err
+        if error is None:
+            parity = parity_of(_tensor_leaves(reference), _tensor_leaves(entry.output))
+            self.record.capture_ms += cost.elapsed_ms()
+            if parity <= self.tolerance:
+                entry.leaves, entry.spec = pytree.tree_flatten(entry.output)
+                self.cache.add(key, entry)
+                if fast is not None:
+                    forward.by_key[fast] = entry
+                forward.captured += 1
+                cost.count(self.record, parity, self._live)
+                rank_zero_info(f"{self.component}: captured the forward of {forward.name} for evaluation")
+                return reference
+            failure = (
+                f"eval_parity: the evaluation graph of {forward.name} differs from its eager forward on the same"
+                f" inputs (relative error {parity:.3g} > {self.tolerance:.3g}); it stays eager in evaluation"
+            )
+        else:
+            failure = f"eval_capture_failed: {forward.name}: {type(error).__name__}: {error}"
+        entry.reset()
+        self.cache.eager[key] = failure
+        self.policy.fail(failure, error)
+        return reference
+
+    def _live(self) -> int:
+        return len(self.cache)
+
+    def release(self) -> None:
+        """Give the forwards back and free every graph (idempotent)."""
+        self.restore()
+        self.cache.clear()
+        self.record.graphs = 0
+
+
+def _fast_key(args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module) -> Any:
+    """A cheap key for a plain positional call of distinct tensors (``None`` for other calls)."""
+    if kwargs or not args or not all(isinstance(a, Tensor) for a in args):
+        return None
+    if len({a.data_ptr() for a in args}) != len(args):
+        return None
+    enabled = torch.is_autocast_enabled("cuda")
+    state = (module.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), enabled)
+    return (state, tuple((a.shape, a.dtype, a.requires_grad) for a in args))
+
+
+def _tensor_leaves(value: Any) -> list[Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, Tensor)]

@@ -1,0 +1,220 @@
+"""The whole evaluation step as one forward-only graph: ``validation_step``, ``test_step`` or ``predict_step``.
+
+The strategy hands over the batch (``batch_to_device``: :meth:`EvalStepGraphs.plan` picks the step's graph and
+returns its static batch with the new values copied in) and the step itself (``validation_step`` and the others:
+:meth:`EvalStepGraphs.run`). One graph per step hook and batch key. A key's first step runs eagerly (its warmup).
+Its second step runs eagerly too, as the real step, and then the graph is captured on the same static batch and
+replayed once: the graph is kept only if its output and its ``self.log`` values equal the eager step's. A replayed
+step re-issues the captured ``self.log`` calls and hands Lightning a copy of the output, so ``val_loss``,
+checkpointing, early stopping and predictions are what eager evaluation gives.
+
+A torchmetrics metric updated inside the step would not count its updates on replay (its ``update`` is Python):
+such a step is never captured, and the loop runs eagerly with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from lightning_cudagraph._lightning import StepLogs
+from lightning_cudagraph.batches import BatchKey, batch_key, batch_tensors, copy_into, describe_batch_key, own_copy
+from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, FailurePolicy, parity_of
+from lightning_cudagraph.drivers.evidence import MetricUpdates
+from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
+from lightning_cudagraph.health import EvaluationRecord
+
+__all__ = ["EvalStep", "EvalStepGraphs", "metric_in_eval_graph"]
+
+#: A step's key: its hook and its batch's key (structure, shapes, dtypes, non-tensor values).
+StepKey = tuple[str, BatchKey]
+
+
+@dataclass(eq=False)
+class EvalStep:
+    """One captured evaluation step: its static batch, graph, static output and ``self.log`` calls.
+
+    Example:
+        >>> step = EvalStep(static_batch={"x": None}, logs=StepLogs("validation_step"))
+        >>> step.reset()
+        >>> step.graph is None and step.static_batch is None
+        True
+    """
+
+    static_batch: Any
+    logs: StepLogs
+    graph: StepGraph | None = None
+    output: Any = None
+    replays: int = 0
+
+    def reset(self) -> None:
+        """Free the graph and drop the buffers."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.output, self.static_batch = None, None, None
+        self.logs.clear()
+
+
+@dataclass
+class _Plan:
+    """What the next evaluation step does: replay ``step``, or capture a new one for ``key``."""
+
+    key: StepKey
+    step: EvalStep
+    capture: bool = False
+    logs: list[Any] = field(default_factory=list)
+
+
+class EvalStepGraphs:
+    """Forward-only graphs of whole evaluation steps, one per step hook and batch key, in the backend's pool.
+
+    Args:
+        backend: Captures and replays (its pool is the training graphs' pool during a fit).
+        record: The evaluation figures of the report.
+        policy: What a failed capture or parity check does.
+        component: Named in messages.
+        tolerance: Largest relative difference between a graph and the eager step allowed.
+        limit: Most graphs held (per-shape cache, least recently used evicted).
+
+    Example:
+        >>> graphs = EvalStepGraphs(backend, record, policy, "CUDAGraphStrategy", 1e-4, 4)  # doctest: +SKIP
+        >>> batch = graphs.plan(trainer, "validation_step", batch)  # in batch_to_device  # doctest: +SKIP
+        >>> output = graphs.run(module, lambda: module.validation_step(batch, 0))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        backend: CaptureBackend,
+        record: EvaluationRecord,
+        policy: FailurePolicy,
+        component: str,
+        tolerance: float,
+        limit: int,
+    ) -> None:
+        self.backend, self.record, self.policy = backend, record, policy
+        self.component, self.tolerance = component, tolerance
+        self.cache: EvalGraphCache[EvalStep] = EvalGraphCache(limit)
+        #: Why every step runs eagerly from now on (a metric updated inside the step), or ``None``.
+        self.off: str | None = None
+        self._plan: _Plan | None = None
+
+    # ------------------------------------------------------------------ the plan (``batch_to_device``)
+    def plan(self, hook: str, batch: Any) -> Any:
+        """Pick what the next ``hook`` step runs; the batch to hand it (a static batch holding its values)."""
+        self._plan = None
+        if self.off is not None:
+            return batch
+        key = batch_key(batch, values=True)
+        if key is None:
+            self._count_fallback("opaque_batch: the batch holds something the package cannot see into")
+            return batch
+        step_key: StepKey = (hook, key)
+        step = self.cache.get(step_key)
+        if step is not None:
+            copy_into(step.static_batch, batch)
+            self._plan = _Plan(step_key, step)
+            return step.static_batch
+        reason = self.cache.eager.get(step_key)
+        if reason is not None:
+            self._count_fallback(reason)
+            return batch
+        if self.cache.sighted(step_key) < 2:  # this key's eager warmup step
+            return batch
+        self._plan = _Plan(step_key, EvalStep(own_copy(batch), StepLogs(hook)), capture=True)
+        return self._plan.step.static_batch
+
+    # ------------------------------------------------------------------ the step (``validation_step`` etc.)
+    def run(self, module: pl.LightningModule, step: Callable[[], Any]) -> Any:
+        """Run the planned step: replay its graph, or run it eagerly and capture it, or run it eagerly."""
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return step()
+        if not plan.capture:
+            return self._replay(plan.step, module)
+        return self._capture(plan, module, step)
+
+    def _replay(self, step: EvalStep, module: pl.LightningModule) -> Any:
+        assert step.graph is not None, "a cached evaluation step always holds its graph"
+        step.graph.replay()
+        step.replays += 1
+        self.record.replays += 1
+        step.logs.reissue(module)
+        return own_copy(step.output)  # the next replay rewrites the static output
+
+    def _capture(self, plan: _Plan, module: pl.LightningModule, step: Callable[[], Any]) -> Any:
+        hook, key = plan.key
+        metrics = MetricUpdates([("", module)])
+        eager_logs = StepLogs(hook)
+        with eager_logs.recorded(module):  # the real step of this batch, run eagerly; its logs are issued below
+            reference = step()
+        updated = metrics.changed()
+        if updated:
+            self.off = metric_in_eval_graph(updated, hook)
+            self.policy.fail(self.off)
+            eager_logs.reissue(module)
+            return reference
+        captured = plan.step
+        cost = CaptureCost(self.backend, batch_tensors(captured.static_batch))
+        error: Exception | None = None
+
+        def body() -> None:  # what the graph holds; its Python runs while capturing only
+            with captured.logs.recorded(module):
+                captured.output = step()
+
+        try:
+            with self.backend.preserved([module]), self.backend.failure_guard():
+                captured.graph = self.backend.capture_step(body)
+            captured.graph.replay()  # on the capture's batch: it must give the eager step's result
+        except Exception as err:  # the step stays eager, loudly (or raises)
+            error = err
+        if error is None:
+            parity = parity_of(_step_tensors(reference, eager_logs), _step_tensors(captured.output, captured.logs))
+            self.record.capture_ms += cost.elapsed_ms()
+            if parity <= self.tolerance:
+                self.cache.add(plan.key, captured)
+                cost.count(self.record, parity, lambda: len(self.cache))
+                rank_zero_info(f"{self.component}: captured {hook} for batch {describe_batch_key(key)} (forward only)")
+                eager_logs.reissue(module)
+                return reference
+            failure = (
+                f"eval_parity: the graph of {hook} differs from the eager step on the same batch (relative error"
+                f" {parity:.3g} > {self.tolerance:.3g}); this batch shape stays eager"
+            )
+        else:
+            failure = f"eval_capture_failed: {hook}: {type(error).__name__}: {error}"
+        captured.reset()
+        self.cache.eager[plan.key] = failure
+        eager_logs.reissue(module)  # before a raise: this batch's logs are the eager step's
+        self.policy.fail(failure, error)
+        return reference
+
+    def _count_fallback(self, reason: str) -> None:
+        self.record.fallbacks += 1
+        self.record.reason = reason
+
+    def release(self) -> None:
+        """Free every graph (idempotent)."""
+        self._plan = None
+        self.cache.clear()
+        self.off = None
+        self.record.graphs = 0
+
+
+def _step_tensors(output: Any, logs: StepLogs) -> list[Tensor]:
+    """The tensors a step hands on: its output's and its logged values'."""
+    logged = [value for _, value, _, _ in logs.calls if isinstance(value, Tensor)]
+    return [t.detach() for t in (*batch_tensors(output), *logged)]
+
+
+def metric_in_eval_graph(updated: list[str], hook: str) -> str:
+    """The reason an evaluation loop runs eagerly: torchmetrics metrics updated inside its step."""
+    return (
+        f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside {hook}; a graph replay would not count"
+        f" their updates, so {hook} runs eagerly. Fix: update them in on_validation_batch_end (or the matching hook)"
+        " from the step's outputs"
+    )

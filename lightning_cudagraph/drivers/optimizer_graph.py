@@ -1,0 +1,362 @@
+"""The optimizer step of a scoped fit as its own graph, replayed after the eager backward.
+
+A scoped step runs ``training_step``, ``zero_grad``, the backward, ``on_before_optimizer_step`` and gradient clipping
+eagerly (its regions replay inside), then the optimizer's update. The update is the same kernels on the same
+tensors every step, so it is captured once and replayed: while the package's strategy runs Lightning's optimizer
+step, the torch optimizer's ``step`` is Lightning's closure, a copy of the fresh gradients into the graph's static
+gradient buffers, and the replay. The optimizer runs in its capturable form for the fit
+(:class:`~lightning_cudagraph.drivers.step_optimizers.StepOptimizers`, as for the whole step): learning rates are
+device tensors that schedulers update in place, so schedules reach the graph. Clipping stays eager, in Lightning's
+closure.
+
+Trust: the capture step and the next ``confirm_steps - 1`` steps (and one every ``audit_every_n_steps``) replay from
+a copy of the parameters and optimizer state, then put it back and run the eager update, which training keeps; the
+two must agree. A step on which the set of parameters with a gradient differs from the capture's (an unused or
+frozen parameter) runs the eager update, counted. A setting the graph baked in that moves rolls back. With the
+callback alone (no package strategy) nothing here runs: the callback cannot own the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import optimizer as _optimizer_module
+
+from lightning_cudagraph.config import CUDAGraphConfig
+from lightning_cudagraph.drivers.shadow import SHADOW_TOL
+from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
+from lightning_cudagraph.drivers.step_replay import run_eagerly
+from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
+from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
+from lightning_cudagraph.snapshot import TrainingState
+from lightning_cudagraph.stages import StageMachine
+
+__all__ = ["OptimizerGraph", "optimizer_step_replaced"]
+
+#: ``report.optimizer_graph`` before the graph is captured, while it is checked, and in steady state.
+WAITING, CONFIRMING, REPLAYING = "waiting", "confirming", "replaying"
+#: The optimizer's update runs in full precision whatever the step's autocast, so the full-precision tolerance holds.
+OPTIMIZER_TOL = SHADOW_TOL[False]
+
+
+class OptimizerGraph:
+    """Captures a scoped fit's optimizer update once and replays it after each eager backward.
+
+    Args:
+        config: The validated options (``confirm_steps``, ``audit_every_n_steps``, ``on_failure``, ``max_pool_mib``).
+        component: Named in messages.
+        backend: Captures into the scoped graphs' pool, and makes the optimizer capturable.
+        machine: Rolls back when the graph is wrong or a baked-in setting moves.
+
+    Example:
+        >>> graph = OptimizerGraph(config, "CUDAGraphStrategy", backend, machine)  # doctest: +SKIP
+        >>> graph.run(trainer, optimizer, run_step, graphs_live=True)  # doctest: +SKIP
+    """
+
+    def __init__(self, config: CUDAGraphConfig, component: str, backend: CaptureBackend, machine: StageMachine) -> None:
+        self.config, self.component, self.backend, self.machine = config, component, backend, machine
+        self.report = machine.report
+        self.optimizers = StepOptimizers(backend)
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._graph: StepGraph | None = None
+        self._params: list[Tensor] = []
+        self._has_grad: list[bool] = []
+        self._static_grads: list[Tensor] = []
+        self._captures_seen = -1  # the report's region captures when the graph was captured
+        self._confirm_left = 0
+        self._since_audit = 0
+        self._audit_every = config.audit_every_n_steps or 2**62
+        self.off_reason: str | None = None
+
+    # ------------------------------------------------------------------ the step (the strategy's optimizer_step)
+    def run(
+        self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, run_step: Callable[[], Any], graphs_live: bool
+    ) -> Any:
+        """Run Lightning's optimizer step; once ``graphs_live`` (scoped graphs captured), the update as a graph."""
+        if self.off_reason is None:
+            self._turn_off_if_unfit(trainer, optimizer)
+        if self.off_reason is not None or not self.machine.graphs_allowed:
+            return run_step()
+        self.optimizers.prepare(optimizer)  # from the first step: eager and graphed updates share their arithmetic
+        if not graphs_live:
+            return run_eagerly(run_step)
+        if self._graph is not None and self.report.captures != self._captures_seen:
+            self._drop_for_recapture()  # a capture since reuses the pool: the update is captured again after it
+        module = trainer.lightning_module
+        eager_update = _eager_update(optimizer)
+
+        def step(closure: Callable[[], Any] | None = None) -> Any:
+            with torch.enable_grad():
+                loss = closure() if closure is not None else None
+            self._update(module, optimizer, eager_update)
+            return loss
+
+        with optimizer_step_replaced(optimizer, step):
+            return run_eagerly(run_step)
+
+    def _update(self, module: Any, optimizer: torch.optim.Optimizer, eager_update: Callable[[], Any]) -> None:
+        """The update of one step, after the closure: replayed, captured then checked, or eager (counted)."""
+        if self._graph is None:
+            self._capture(module, optimizer, eager_update)
+            return
+        problem = self.optimizers.settings_problem()
+        if problem is not None:
+            eager_update()
+            self.machine.rollback(_setting_moved(problem))
+            return
+        self._since_audit += 1
+        check_due = self._confirm_left > 0 or self._since_audit >= self._audit_every
+        differ = self._grads_differ(module)
+        if differ is not None:
+            self.report.count_fallback(differ)
+            eager_update()
+            if check_due:  # every rank takes its checks at the same steps: this one has nothing to check
+                self._weigh(None)
+            return
+        if check_due:
+            self._shadow(module, eager_update)
+            return
+        self._replay()
+
+    def _replay(self) -> None:
+        assert self._graph is not None, "the optimizer graph replays only once captured"
+        with torch.no_grad():
+            torch._foreach_copy_(self._static_grads, [p.grad for p in self._params if p.grad is not None])
+        self.optimizers.refresh()
+        self._graph.replay()
+        self.report.optimizer_replays += 1
+
+    # ------------------------------------------------------------------ capture and its checks
+    def _capture(self, module: Any, optimizer: torch.optim.Optimizer, eager_update: Callable[[], Any]) -> None:
+        """Capture the update on the gradients of this step, then check its first replay against the eager update."""
+        problem = self.optimizers.settings_problem()
+        if problem is not None:  # it moved during the eager steps: it moves every step, and stays eager
+            self._turn_off(f"optimizer_not_graphed: {problem.partition(' after the whole step')[0]} between steps")
+            eager_update()
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        if any(g.is_sparse for g in grads) or any(not optimizer.state.get(p) for p in params if p.grad is not None):
+            eager_update()  # a parameter's state is made by its first eager update: capture on a later step
+            return
+        self._params, self._has_grad = params, [p.grad is not None for p in params]
+        with torch.no_grad():
+            self._static_grads = [g.detach().clone() for g in grads]
+        real = [p.grad for p in params]
+        state = TrainingState.take(module, [optimizer], self.backend.device)
+        started, error = time.perf_counter(), None
+        try:
+            self._set_grads(self._static_grads)
+            with self.backend.failure_guard():
+                self._graph = self.backend.capture_step(lambda: run_eagerly(eager_update))
+        except Exception as err:  # the update stays eager; the regions keep their graphs
+            error = err
+        finally:
+            for p, grad in zip(params, real, strict=True):
+                p.grad = grad
+            elapsed = (time.perf_counter() - started) * 1e3
+            self.report.capture_ms_total += elapsed
+        if not self.machine.agreement.all_ok(error is None):
+            state.restore()
+            self._reset_graph()
+            error = error or RuntimeError("the capture failed on another rank")
+            reason = f"optimizer_not_graphed: its capture failed: {type(error).__name__}: {error}"
+            if self.config.on_failure == "raise":
+                raise RuntimeError(f"{self.component}(on_failure='raise'): {reason}") from error
+            self._turn_off(reason)
+            eager_update()
+            return
+        self._captures_seen = self.report.captures
+        self.optimizers.captured()
+        self._confirm_left, self._since_audit = self.config.confirm_steps, 0
+        self.report.optimizer_graph = CONFIRMING
+        rank_zero_info(f"{self.component}: captured the optimizer step ({len(grads)} parameters) in {elapsed:.1f} ms")
+        self._shadow(module, eager_update, state)
+
+    def _shadow(self, module: Any, eager_update: Callable[[], Any], state: TrainingState | None = None) -> None:
+        """Replay from a copy of the weights and optimizer state, put it back, run the eager update; compare them.
+
+        Training keeps the eager update, so a graph that fails the check never touched the weights. One host sync.
+        """
+        optimizer = self._optimizer
+        assert optimizer is not None, "the optimizer graph checks the optimizer it captured"
+        if state is None:
+            state = TrainingState.take(module, [optimizer], self.backend.device)
+        moving = [(value, saved) for _, _, value, saved in state.optimizer_state if isinstance(value, Tensor)]
+        self._replay()
+        graph_params = state.parameters_now()
+        graph_state = [value.detach().clone() for value, _ in moving]
+        state.restore()
+        eager_update()
+        params_error = state.update_error_of(graph_params).float()
+        error = torch.maximum(params_error, _state_error(moving, graph_state).to(params_error.device))
+        self._weigh(float(error))  # the decision's one host sync
+
+    def _weigh(self, value: float | None) -> None:
+        """Count a check of difference ``value`` (``None``: none on this rank); roll back unless every rank's passed."""
+        self._confirm_left, self._since_audit = self._confirm_left - 1, 0
+        if value is not None:
+            self.report.audits += 1
+            previous = self.report.optimizer_parity_err
+            self.report.optimizer_parity_err = value if math.isnan(previous) else max(previous, value)
+        if not self.machine.agreement.all_ok(value is None or value <= OPTIMIZER_TOL):
+            by = "on another rank" if value is None or value <= OPTIMIZER_TOL else f"by {value:.3g}"
+            self.machine.rollback(
+                f"optimizer_parity: the optimizer graph's update is off the eager update from the same state on the"
+                f" same gradients {by} (allowed {OPTIMIZER_TOL:g}); the eager update was kept. A graph that reads a"
+                " stale gradient buffer or a frozen setting does this"
+            )
+        elif self._confirm_left <= 0 and self.report.optimizer_graph == CONFIRMING:
+            self.report.optimizer_graph = REPLAYING
+
+    def _grads_differ(self, module: Any) -> str | None:
+        """A fallback reason when the parameters with a gradient are not those of the capture (host work only)."""
+        if all((p.grad is not None) is had for p, had in zip(self._params, self._has_grad, strict=True)):
+            return None
+        names = {id(p): name for name, p in module.named_parameters()}
+        pairs = list(zip(self._params, self._has_grad, strict=True))
+        missing = [names.get(id(p), "?") for p, had in pairs if had and p.grad is None]
+        new = [names.get(id(p), "?") for p, had in pairs if not had and p.grad is not None]
+        what = f"no gradient for {missing[:3]}" if missing else f"a gradient for {new[:3]}, which had none at capture"
+        return (
+            f"optimizer_grads_differ: the optimizer graph was captured for other parameters ({what}); this step's"
+            " update ran eagerly, so no parameter moves on a stale gradient"
+        )
+
+    # ------------------------------------------------------------------ eligibility
+    def _turn_off_if_unfit(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        """Turn the graph off for the fit, once, when this step's optimizer cannot be captured as it is."""
+        if self._optimizer is optimizer:
+            return
+        problem = _unfit(trainer, optimizer) if self._optimizer is None else "the fit steps more than one optimizer"
+        self._optimizer = optimizer
+        if problem is not None:
+            self._turn_off(f"optimizer_not_graphed: {problem}")
+            self.optimizers.restore()
+        elif self.report.optimizer_graph is None:
+            self.report.optimizer_graph = WAITING
+
+    def _turn_off(self, reason: str) -> None:
+        self.off_reason = self.report.optimizer_graph = reason
+        self._reset_graph()
+        if not reason.startswith("optimizer_not_graphed: manual"):
+            rank_zero_warn(f"{self.component}: the optimizer step stays eager, the regions keep their graphs: {reason}")
+
+    def _set_grads(self, grads: list[Tensor]) -> None:
+        buffers = iter(grads)
+        for p, had in zip(self._params, self._has_grad, strict=True):
+            if had:
+                p.grad = next(buffers)
+
+    # ------------------------------------------------------------------ levels, checkpoints, release
+    def _reset_graph(self) -> None:
+        graph, self._graph = self._graph, None
+        self._static_grads = []
+        if graph is not None:
+            graph.reset()
+
+    def _drop_for_recapture(self) -> None:
+        self._reset_graph()
+        if self.off_reason is None and self.report.optimizer_graph is not None:
+            self.report.optimizer_graph = WAITING
+
+    def level_changed(self) -> None:
+        """Another scoped level is captured in place: its pool is new, and the update is captured again after it."""
+        self._drop_for_recapture()
+
+    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
+        """Save optimizers as the user built them (float learning rates, their own flags)."""
+        self.optimizers.save_checkpoint(optimizers, checkpoint)
+
+    def release(self) -> None:
+        """Free the graph and give the optimizer back as built (idempotent)."""
+        try:
+            self._reset_graph()
+        finally:
+            self._params, self._has_grad = [], []
+            self.optimizers.restore()
+
+
+@contextlib.contextmanager
+def optimizer_step_replaced(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Iterator[None]:
+    """``optimizer.step`` is ``step`` inside the block; on every exit it is what it was (the class's, or the user's).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with optimizer_step_replaced(optimizer, lambda closure=None: "replayed"):
+        ...     inside = optimizer.step()
+        >>> inside, "step" in vars(optimizer)
+        ('replayed', False)
+    """
+    own = vars(optimizer)  # an instance attribute shadows the class's step; the class is left alone
+    had, previous = "step" in own, own.get("step")
+    own["step"] = step
+    try:
+        yield
+    finally:
+        if had:
+            own["step"] = previous
+        else:
+            own.pop("step", None)
+
+
+def _eager_update(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """The optimizer's own update, without a closure (the user's ``step`` when they set one on the instance)."""
+    own = vars(optimizer).get("step")
+    if own is not None:
+        return lambda: own()
+    return lambda: type(optimizer).step(optimizer)
+
+
+def _unfit(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why this optimizer step cannot be a graph of its own, or ``None``."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        return "manual optimization (training_step calls the optimizer itself)"
+    if not isinstance(optimizer, CAPTURABLE_OPTIMIZERS):
+        names = ", ".join(cls.__name__ for cls in CAPTURABLE_OPTIMIZERS)
+        return f"{type(optimizer).__name__} has no capturable form the package knows (it knows {names})"
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        return (
+            "16-mixed's GradScaler reads found_inf on the host in its step; use bf16-mixed to graph the optimizer step"
+        )
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return "the optimizer has step hooks, which a replay would not run"
+    if _optimizer_module._global_optimizer_pre_hooks or _optimizer_module._global_optimizer_post_hooks:
+        return "optimizer step hooks are registered globally, which a replay would not run"
+    if any(group.get("differentiable") for group in optimizer.param_groups):
+        return "differentiable=True"
+    return None
+
+
+def _setting_moved(problem: str) -> str:
+    """``StepOptimizers.settings_problem`` 's reason, said of the optimizer graph."""
+    change = problem.partition(" after the whole step")[0]
+    return (
+        f"{change} after the optimizer graph was captured; a graph replays the optimizer with the settings it was"
+        " captured with (only lr is read from the device). Fix: keep it fixed (OneCycleLR/CyclicLR("
+        "cycle_momentum=False)), or train through CUDAGraphCallback alone, whose optimizer step runs eagerly"
+    )
+
+
+def _state_error(moving: list[tuple[Tensor, Tensor]], graph_state: list[Tensor]) -> Tensor:
+    """Largest relative difference between the graph's and the eager update's optimizer state (no host sync)."""
+    errors = []
+    for (eager, before), graphed in zip(moving, graph_state, strict=True):
+        if not eager.is_floating_point() or not eager.numel():
+            continue
+        now, start = eager.detach().float(), before.float()
+        scale = (now - start).norm().clamp_min(1e-7 * start.norm() + 1e-12)
+        errors.append((graphed.float() - now).norm().to(now.device) / scale)
+    if not errors:
+        return torch.zeros((), device=moving[0][0].device if moving else None)
+    return torch.stack([e.to(errors[0].device) for e in errors]).max()

@@ -1,0 +1,256 @@
+"""Evaluation graphs: validation, test and predict steps on forward-only CUDA graphs, on by default.
+
+Whenever graphs are on (``impl="local"``, a CUDA device, ``eval_graphs=True``), each evaluation loop picks one way:
+
+- **The whole evaluation step** (through :class:`~lightning_cudagraph.CUDAGraphStrategy`, at the whole-step level:
+  ``"cudagraph_full"``, or ``"cudagraph"`` once ``scope="auto"`` settled there; and in ``trainer.validate()``,
+  ``test()`` and ``predict()`` outside a fit): ``validation_step``, ``test_step`` or ``predict_step`` as one
+  forward-only graph per batch shape (:mod:`lightning_cudagraph.drivers.eval_step`).
+- **The trained level's regions** (through the callback alone, once the fit captured a scoped level): each region's
+  forward gets a graph of its own under the loop's grad mode (:mod:`lightning_cudagraph.drivers.eval_regions`).
+- **Eager**, with the reason logged: the sanity check (the natural warmup, never logged), graphs off or rolled back,
+  ``scope="auto"`` still climbing, Transformer Engine, a torchmetrics metric updated inside the step, or an
+  evaluation loop outside a fit through the callback alone (there is no trained level to graph).
+
+Every graph is checked against eager on its capture batch before it is trusted. The graphs share the training
+graphs' memory pool during a fit: evaluation replays run between training steps on the same stream, never between a
+region's forward and backward, and every buffer a graph reads across replays stays referenced. The evaluation
+graphs of a fit live beside its training graphs (an interleaved ``val_check_interval`` keeps both) and are released
+with them at fit end and on every exit path; a loop outside a fit releases its own at its end.
+
+Example:
+    >>> import lightning.pytorch as pl
+    >>> from lightning_cudagraph import CUDAGraphStrategy
+    >>> trainer = pl.Trainer(strategy=CUDAGraphStrategy(scope=["full_iteration"]), logger=False)  # doctest: +SKIP
+    >>> trainer.validate(model, dataloader)  # doctest: +SKIP
+    >>> trainer.strategy.rollout.report.evaluation.mode  # doctest: +SKIP
+    'whole_step'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph.drivers.eval_capture import FailurePolicy
+from lightning_cudagraph.drivers.eval_regions import EvalRegionGraphs
+from lightning_cudagraph.drivers.eval_step import EvalStepGraphs
+from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph.health import EvaluationRecord
+from lightning_cudagraph.options import DEFAULT_MAX_GRAPHS
+
+__all__ = ["EVAL_HOOKS", "EvaluationGraphs", "TrainedLevel"]
+
+#: The step hook of each evaluation stage.
+EVAL_HOOKS = {
+    RunningStage.VALIDATING: "validation_step",
+    RunningStage.TESTING: "test_step",
+    RunningStage.PREDICTING: "predict_step",
+}
+#: Parity tolerances: float32 graphs replay the eager kernels; reduced precision leaves more room.
+FP32_TOL, REDUCED_TOL = 1e-4, 2e-2
+
+WHOLE_STEP, REGIONS, EAGER = "whole_step", "regions", "eager"
+
+
+@dataclass(frozen=True)
+class TrainedLevel:
+    """What the fit's training graphs are, as evaluation needs to know.
+
+    Attributes:
+        name: The level training runs at (``full_iteration``, ``layer``, ...; for a fixed scope its scope names).
+        settled: Whether ``scope="auto"`` settled (always, for a fixed scope).
+        allowed: Whether graphs are still in use (not rolled back or off).
+        off_reason: Why graphs are off, when they are.
+        regions: The captured regions (qualified name, module) of a scoped level.
+
+    Example:
+        >>> TrainedLevel(name="full_iteration", settled=True, allowed=True).regions
+        ()
+    """
+
+    name: str | None
+    settled: bool
+    allowed: bool
+    off_reason: str | None = None
+    regions: Sequence[tuple[str, torch.nn.Module]] = field(default_factory=tuple)
+
+
+class EvaluationGraphs:
+    """The evaluation graphs of one Trainer's loops: which way each loop runs, the graphs, their release.
+
+    Args:
+        config: The validated options.
+        component: Named in messages.
+        record: Where the figures go (``report.evaluation``).
+
+    Example:
+        >>> from lightning_cudagraph.config import CUDAGraphConfig
+        >>> graphs = EvaluationGraphs(CUDAGraphConfig(), "CUDAGraphStrategy", EvaluationRecord())
+        >>> graphs.mode, graphs.graphs  # a loop's start picks the mode (Rollout.evaluation_start)
+        ('eager', 0)
+    """
+
+    def __init__(self, config: CUDAGraphConfig, component: str, record: EvaluationRecord) -> None:
+        self.config, self.component, self.record = config, component, record
+        self.policy = FailurePolicy(component, config.on_failure, record)
+        self.steps: EvalStepGraphs | None = None
+        self.regions: EvalRegionGraphs | None = None
+        self.mode = EAGER
+        self._backend: CaptureBackend | None = None
+        self._standalone = False
+        self._said: set[str] = set()
+        self._addresses: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------ a loop's start and end
+    def loop_start(
+        self, trainer: pl.Trainer, backend: CaptureBackend | None, level: TrainedLevel | None, strategy: bool
+    ) -> None:
+        """Pick how this evaluation loop runs, and get its graphs ready."""
+        self.mode = EAGER
+        if trainer.sanity_checking:  # the natural warmup: eager, and nothing to say
+            return
+        hook = EVAL_HOOKS.get(trainer.state.stage) if trainer.state.stage is not None else None
+        in_fit = trainer.state.fn == TrainerFn.FITTING
+        reason = self._why_eager(hook, backend, level, strategy, in_fit)
+        if reason is not None:
+            self.record.mode, self.record.reason = EAGER, reason
+            if self.config.enabled and self.config.eval_graphs and reason not in self._said:
+                self._said.add(reason)
+                rank_zero_info(f"{self.component}: {hook or 'evaluation'} runs eagerly: {reason}")
+            return
+        assert backend is not None
+        addresses = _addresses(trainer.lightning_module)
+        if self._backend is not backend or addresses != self._addresses:
+            # A new fit, a loop outside one, or parameters and buffers rebound since the graphs were captured
+            # (``p.data = ...``, a ``.to()``): graphs that read the old tensors go, and are captured again.
+            self.release()
+            self._backend, self._addresses = backend, addresses
+        if not in_fit:
+            self._standalone = True
+            backend.enter()  # eager warmup and capture on one stream, as in training
+        tolerance = self._tolerance(trainer)
+        limit = self.config.max_graphs or DEFAULT_MAX_GRAPHS
+        if in_fit and level is not None and not (strategy and level.name == FULL_ITERATION):
+            if self.regions is None:
+                self.regions = EvalRegionGraphs(backend, self.record, self.policy, self.component, tolerance, limit)
+            self.regions.install(level.regions)
+            self.mode = REGIONS
+        else:
+            if self.steps is None:
+                self.steps = EvalStepGraphs(backend, self.record, self.policy, self.component, tolerance, limit)
+            self.mode = WHOLE_STEP if self.steps.off is None else EAGER
+        self.record.mode = self.mode
+        self.record.reason = self.steps.off if self.mode == EAGER and self.steps is not None else None
+
+    def _why_eager(
+        self,
+        hook: str | None,
+        backend: CaptureBackend | None,
+        level: TrainedLevel | None,
+        strategy: bool,
+        in_fit: bool,
+    ) -> str | None:
+        """Why this loop runs eagerly, or ``None`` when it gets graphs."""
+        if not self.config.enabled:
+            return "impl_none"
+        if not self.config.eval_graphs:
+            return "eval_graphs=False"
+        if hook is None:
+            return "not an evaluation loop"
+        if backend is None:
+            return "no_cuda: CUDA graphs need a CUDA device"
+        if self.config.impl != "local":
+            return (
+                f"impl={self.config.impl!r}: evaluation graphs are PyTorch graphs (impl='local'); Transformer Engine"
+                " keeps its FP8 state per training step"
+            )
+        if not in_fit:
+            if strategy:
+                return None
+            return (
+                "outside a fit, the callback alone has no trained level to graph. Fix: evaluate through"
+                " strategy='cudagraph_full' (the whole evaluation step), or inside the fit"
+            )
+        if level is None or not level.allowed:
+            detail = level.off_reason if level is not None else None
+            return f"the training graphs are off{f' ({detail})' if detail else ''}"
+        if strategy and level.name == FULL_ITERATION:
+            return None
+        if not level.settled:
+            return "scope='auto' has not settled on a level yet (evaluation graphs follow the level training keeps)"
+        if not level.regions:
+            return "no region is captured yet (the training warmup steps are still running)"
+        return None
+
+    def _tolerance(self, trainer: pl.Trainer) -> float:
+        if self.config.parity_tol is not None:
+            return self.config.parity_tol
+        precision = str(trainer.precision)
+        return FP32_TOL if precision in ("32-true", "32", "64-true", "64") else REDUCED_TOL
+
+    def loop_end(self) -> None:
+        """The loop ended: the regions get their forwards back; a loop outside a fit frees its graphs."""
+        if self.regions is not None:
+            self.regions.restore()
+        if self._standalone:
+            backend = self._backend
+            self.release()
+            if backend is not None:
+                backend.release()
+        self.mode = EAGER
+
+    # ------------------------------------------------------------------ steps (called by the strategy)
+    def plan(self, trainer: pl.Trainer, batch: Any) -> Any:
+        """``batch_to_device`` of an evaluation batch: the batch its step should read."""
+        if self.mode != WHOLE_STEP or self.steps is None or trainer.sanity_checking:
+            return batch
+        hook = EVAL_HOOKS.get(trainer.state.stage) if trainer.state.stage is not None else None
+        if hook is None:
+            return batch
+        return self.steps.plan(hook, batch)
+
+    def run(self, module: pl.LightningModule, step: Callable[[], Any]) -> Any:
+        """An evaluation step: its graph, or eagerly."""
+        if self.mode != WHOLE_STEP or self.steps is None:
+            return step()
+        output = self.steps.run(module, step)
+        if self.steps.off is not None:
+            self.mode = self.record.mode = EAGER
+        return output
+
+    @property
+    def graphs(self) -> int:
+        """Evaluation graphs alive now."""
+        return (len(self.steps.cache) if self.steps is not None else 0) + (
+            len(self.regions.cache) if self.regions is not None else 0
+        )
+
+    # ------------------------------------------------------------------ release
+    def release(self) -> None:
+        """Give every forward back and free every evaluation graph (idempotent; every exit path calls it)."""
+        held = self.graphs > 0 or (self.regions is not None and self.regions.installed)
+        try:
+            if self.regions is not None:
+                self.regions.release()
+        finally:
+            if self.steps is not None:
+                self.steps.release()
+            self.steps = self.regions = None
+            self._backend, self._standalone, self._addresses = None, False, ()
+            self.mode = EAGER
+            self.record.graphs = 0
+            if held:
+                self.record.releases += 1
+
+
+def _addresses(module: torch.nn.Module) -> tuple[int, ...]:
+    """Where every parameter and buffer lives now (host-side pointers: read once per loop, no device sync)."""
+    return tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
