@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,8 @@ class CallSignature:
     tensor (``attn(x, x, x)``).
     """
 
-    spec: pytree.TreeSpec
+    #: Compared, not hashed: torch 2.6's TreeSpec holds a list and cannot be hashed (the leaves are hashed).
+    spec: pytree.TreeSpec = field(hash=False)
     leaves: tuple[Any, ...]
     aliases: tuple[int, ...]
     training: bool

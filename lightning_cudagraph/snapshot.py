@@ -159,8 +159,7 @@ class TrainingState:
                 continue
             now = ours.detach().float()
             before = saved_grad.float() if saved_grad is not None and not zeroed else torch.zeros_like(now)
-            scale = (now - before).norm().clamp_min(1e-7 * now.norm() + 1e-12)
-            errors.append((theirs.float() - now).norm() / scale)
+            errors.append(_off_by(now, before, theirs.float()))
         return torch.stack(errors).max() if errors else torch.zeros(())
 
     def keep_gradient_buffers(self) -> None:
@@ -182,14 +181,21 @@ class TrainingState:
         :meth:`restore`); each difference is measured against the size of the update the parameters got, so a
         frozen hyperparameter or a wrong batch cannot hide behind the size of the weights.
         """
-        errors = []
-        for (p, before, *_), after in zip(self.weights, other, strict=True):
-            if not p.is_floating_point():
-                continue
-            now = p.detach().float()
-            scale = (now - before.float()).norm().clamp_min(1e-7 * before.float().norm() + 1e-12)
-            errors.append((after.float() - now).norm() / scale)
+        errors = [
+            _off_by(p.detach().float(), before.float(), after.float())
+            for (p, before, *_), after in zip(self.weights, other, strict=True)
+            if p.is_floating_point()
+        ]
         return torch.stack(errors).max() if errors else torch.zeros(())
+
+
+def _off_by(now: Tensor, before: Tensor, other: Tensor) -> Tensor:
+    """How far ``other`` is from ``now``, relative to the step from ``before`` to ``now`` (no host sync).
+
+    The step's own size is the scale, so a small error cannot hide behind the size of the tensor itself.
+    """
+    scale = (now - before).norm().clamp_min(1e-7 * before.norm() + 1e-12)
+    return (other - now).norm() / scale
 
 
 def _numpy_state() -> Any:

@@ -99,6 +99,8 @@ class GradientBinding:
     def __init__(self, parameters: list[torch.nn.Parameter]) -> None:
         self.parameters = parameters
         self._bound: list[Tensor | None] | None = None
+        #: The parameter whose ``.grad`` :meth:`holds` checks: the first with a gradient in the bound set.
+        self._spot: int | None = None
 
     def gradients(self) -> list[Tensor | None]:
         """The parameters' gradient tensors now (what a just-captured first micro-batch writes)."""
@@ -122,8 +124,7 @@ class GradientBinding:
         """
         if grads is None or self._bound is not grads:
             return False
-        spot = next((i for i, grad in enumerate(grads) if grad is not None), None)
-        return spot is None or self.parameters[spot].grad is grads[spot]
+        return self._spot is None or self.parameters[self._spot].grad is grads[self._spot]
 
     def bind(self, grads: list[Tensor | None]) -> None:
         """Point every ``.grad`` at ``grads`` (after a replay of a first micro-batch, when they were elsewhere)."""
@@ -132,6 +133,7 @@ class GradientBinding:
         for p, grad in zip(self.parameters, grads, strict=True):
             p.grad = grad
         self._bound = grads
+        self._spot = next((i for i, grad in enumerate(grads) if grad is not None), None)
 
     def adopt(self, grads: list[Tensor | None]) -> None:
         """After an eager step that stands for a captured one: move its gradients into ``grads`` and bind them.

@@ -114,7 +114,8 @@ class OptimizerGraph:
             return
         self._since_audit += 1
         check_due = self._confirm_left > 0 or self._since_audit >= self._audit_every
-        differ = self._grads_differ(module)
+        grads = [p.grad for p in self._params]  # one pass over the parameters: checked, then copied
+        differ = self._grads_differ(module, grads)
         if differ is not None:
             self.report.count_fallback(differ)
             eager_update()
@@ -124,12 +125,12 @@ class OptimizerGraph:
         if check_due:
             self._shadow(module, eager_update)
             return
-        self._replay()
+        self._replay(grads)
 
-    def _replay(self) -> None:
+    def _replay(self, grads: list[torch.Tensor | None]) -> None:
         assert self._graph is not None, "the optimizer graph replays only once captured"
         with torch.no_grad():
-            torch._foreach_copy_(self._static_grads, [p.grad for p in self._params if p.grad is not None])
+            torch._foreach_copy_(self._static_grads, [g for g in grads if g is not None])
         self.optimizers.refresh()
         self._graph.replay()
         self.report.optimizer_replays += 1
@@ -191,7 +192,7 @@ class OptimizerGraph:
         if state is None:
             state = TrainingState.take(module, [optimizer], self.backend.device)
         moving = [(value, saved) for _, _, value, saved in state.optimizer_state if isinstance(value, Tensor)]
-        self._replay()
+        self._replay([p.grad for p in self._params])
         graph_params = state.parameters_now()
         graph_state = [value.detach().clone() for value, _ in moving]
         state.restore()
@@ -217,9 +218,9 @@ class OptimizerGraph:
         elif self._confirm_left <= 0 and self.report.optimizer_graph == CONFIRMING:
             self.report.optimizer_graph = REPLAYING
 
-    def _grads_differ(self, module: Any) -> str | None:
+    def _grads_differ(self, module: Any, grads: list[torch.Tensor | None]) -> str | None:
         """A fallback reason when the parameters with a gradient are not those of the capture (host work only)."""
-        if all((p.grad is not None) is had for p, had in zip(self._params, self._has_grad, strict=True)):
+        if all((g is not None) is had for g, had in zip(grads, self._has_grad, strict=True)):
             return None
         names = {id(p): name for name, p in module.named_parameters()}
         pairs = list(zip(self._params, self._has_grad, strict=True))
