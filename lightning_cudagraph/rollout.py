@@ -189,10 +189,7 @@ class Rollout:
         if self.climb is None:
             return None
         current, driver = self.climb.ladder.current, self.driver
-        captured = getattr(driver, "captured_regions", None)
-        names = captured() if callable(captured) and self.machine.graphs_allowed else frozenset()
-        targets = getattr(driver, "targets", ())
-        regions = [(t.name, t.module) for t in targets if t.name in names]
+        regions = driver.captured_modules() if driver is not None and self.machine.graphs_allowed else []
         return TrainedLevel(
             name=current.name if current is not None else None,
             settled=self.climb.ladder.settled,

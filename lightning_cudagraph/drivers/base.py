@@ -128,6 +128,10 @@ class Driver(ABC):
         """The names of the regions this driver captures now (``None``: the whole step, no regions)."""
         return None
 
+    def captured_modules(self) -> list[tuple[str, Any]]:
+        """The regions captured now, as ``(name, module)`` (none for the whole step): evaluation graphs them too."""
+        return []
+
     def switch_level(self, names: Sequence[str]) -> bool:
         """Capture another scoped level in place, from the recorded samples; ``False`` when this driver cannot."""
         return False

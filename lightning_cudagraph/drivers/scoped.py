@@ -211,6 +211,10 @@ class ScopedDriver(Driver):
         """The names of the regions captured now (the active targets)."""
         return frozenset(target.name for target in self.regions.active_targets)
 
+    def captured_modules(self) -> list[tuple[str, Any]]:
+        """The regions captured now, as ``(name, module)``."""
+        return [(target.name, target.module) for target in self.regions.active_targets]
+
     def switch_level(self, names: Sequence[str]) -> bool:
         """From the next batch on, capture these targets (a level of ``scope="auto"``) in place.
 
