@@ -335,21 +335,54 @@ def audit_section(record: dict[str, Any]) -> str:
     return f"{record['steps']} steps, an audit every {record['every']}.\n\n{table(head, rows)}\n{env_line(record)}"
 
 
-def accumulation_section(record: dict[str, Any]) -> str:
-    """``benchmarks/accumulation.py``: the whole step with accumulation, per sample, against eager and a 4x batch."""
-    head = ["model", "variant", "batch x accumulate", "ms per micro-batch", "ms per sample", "vs eager", "peak MiB"]
+def per_model(
+    record: dict[str, Any],
+    row: Callable[[str, str, dict[str, Any]], list[str]],
+    note: Callable[[str, dict[str, Any]], str],
+) -> tuple[list[list[str]], str]:
+    """The table rows of a per-model record (``models`` -> variant -> figures), and its parity notes as a list."""
     rows, notes = [], []
     for model, got in record["models"].items():
         for variant, r in got.items():
             if variant == "parity":
-                notes.append(f"{model}: {r['steps']} optimizer steps, largest loss difference"
-                             f" {num(r['max_loss_diff'], 7)}, largest relative parameter difference"
-                             f" {num(r['max_rel_param_diff'], 6)} ({r.get('worst_param', 'n/a')})")  # fmt: skip
-                continue
-            rows.append([model, label(variant), f"{r['batch_size']} x {r['accumulate']}", num(r["median_ms"], 3),
-                         num(r["ms_per_sample"], 3), times(r["x_eager"]), num(r["peak_mib"], 0)])  # fmt: skip
-    parity = "".join(f"- {note}\n" for note in notes)
+                notes.append(f"- {note(model, r)}\n")
+            else:
+                rows.append(row(model, variant, r))
+    return rows, "".join(notes)
+
+
+def accumulation_section(record: dict[str, Any]) -> str:
+    """``benchmarks/accumulation.py``: the whole step with accumulation, per sample, against eager and a 4x batch."""
+    head = ["model", "variant", "batch x accumulate", "ms per micro-batch", "ms per sample", "vs eager", "peak MiB"]
+    rows, parity = per_model(
+        record,
+        lambda model, variant, r: [model, label(variant), f"{r['batch_size']} x {r['accumulate']}",
+                                   num(r["median_ms"], 3), num(r["ms_per_sample"], 3), times(r["x_eager"]),
+                                   num(r["peak_mib"], 0)],
+        lambda model, r: f"{model}: {r['steps']} optimizer steps, largest loss difference {num(r['max_loss_diff'], 7)},"
+                         f" largest relative parameter difference {num(r['max_rel_param_diff'], 6)}"
+                         f" ({r.get('worst_param', 'n/a')})",
+    )  # fmt: skip
     return f"{table(head, rows, 'llrrrrr')}\nParity, eager against `full_iteration` (accumulate 4):\n\n{parity}"
+
+
+def cnn_section(record: dict[str, Any]) -> str:
+    """``benchmarks/cnn.py``: torchvision CNNs through the callback, against eager, with BatchNorm parity."""
+    head = ["model", "variant", "level", "ms per step", "vs eager"]
+
+    def row(model: str, variant: str, r: dict[str, Any]) -> list[str]:
+        level = (r.get("report") or {}).get("level")
+        return [model, label(variant), f"`{level}`" if level else "", num(r["median_ms"], 2), times(r["x_eager"])]
+
+    rows, parity = per_model(
+        record,
+        row,
+        lambda model, r: f"{model}: {r['steps']} steps at level `{r.get('level')}`, largest loss difference"
+                         f" {num(r['max_loss_diff'], 7)}, largest BatchNorm buffer difference"
+                         f" {num(r['max_buffer_diff'], 7)} ({r.get('worst_buffer', 'n/a')})",
+    )  # fmt: skip
+    batch = f"Batch {record['batch_size']}, {record['size']}x{record['size']} images"
+    return f"{batch}.\n\n{table(head, rows, 'lllrr')}\nParity, eager against `auto` (deterministic cuDNN):\n\n{parity}"
 
 
 # ---------------------------------------------------------------------------------------------------- charts
@@ -446,6 +479,7 @@ SECTIONS: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
     "zoo": ("Real training code: the model zoo", "zoo/run.py", zoo_section),
     "accumulation": ("Gradient accumulation inside the whole step", "benchmarks/accumulation.py",
                      accumulation_section),
+    "cnn": ("torchvision CNNs through `CUDAGraphCallback()`", "benchmarks/cnn.py", cnn_section),
 }  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from lightning_cudagraph.ladder import (
     MEASURE_STEPS,
     REFERENCE_STEPS,
     Ladder,
+    reference_steps,
 )
 from lightning_cudagraph.levels import Level, Plan
 from lightning_cudagraph.preflight import eager_steps_before_whole_step
@@ -116,6 +117,15 @@ class Climb:
             driver.reference_steps, self._reference = REFERENCE_STEPS, backend.timer()
         machine.on_level_failure = self._level_failed
         self._enter(level)
+
+    def train_started(self, trainer: pl.Trainer, confirm_steps: int) -> None:
+        """Training starts (its length is known now): a short fit runs no eager reference steps."""
+        fit = self._running
+        if fit is None or self._reference is None:
+            return
+        total = float(trainer.estimated_stepping_batches) * trainer.accumulate_grad_batches
+        left = total - self.settings.first_eager_steps * trainer.accumulate_grad_batches
+        fit.driver.reference_steps = reference_steps(left, trainer.accumulate_grad_batches, confirm_steps)
 
     # ------------------------------------------------------------------ per step (no host sync)
     def batch_started(self, trainer: pl.Trainer, batch: Any) -> None:

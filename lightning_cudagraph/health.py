@@ -17,8 +17,9 @@ __all__ = ["LEVEL_NUMBERS", "METRIC_PREFIX", "CUDAGraphReport", "EvaluationRecor
 
 METRIC_PREFIX = "cudagraph/"
 #: ``cudagraph/level``: each level of ``scope="auto"`` 's ladder has a fixed number, so dashboards compare across
-#: models (a level a model lacks is skipped, not renumbered); 0 while no level runs on graphs.
-LEVEL_NUMBERS = {"attn": 1, "attn+mlp": 2, "layer": 3, "full_iteration": 4}
+#: models (a level a model lacks is skipped, not renumbered); 0 while no level runs on graphs. ``model`` came after
+#: the others and sits between ``layer`` and the whole step: 3.5 keeps the earlier numbers as they were.
+LEVEL_NUMBERS = {"attn": 1.0, "attn+mlp": 2.0, "layer": 3.0, "model": 3.5, "full_iteration": 4.0}
 
 
 @dataclass

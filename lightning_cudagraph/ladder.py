@@ -41,6 +41,7 @@ __all__ = [
     "MEASURE_STEPS",
     "REFERENCE_STEPS",
     "Ladder",
+    "reference_steps",
 ]
 
 #: A wider level is kept only if its median step time is this much below the best so far. Medians of a few replayed
@@ -62,6 +63,25 @@ CHECK_STEPS = 6
 CHECK_EAGER_EVERY = 4
 #: Where the ladder settles when no level was faster than eager training by the margin (or none was confirmed).
 EAGER = Level("eager", unavailable="no level was confirmed faster than eager training")
+
+
+def reference_steps(batches_left: float, accumulate: int, confirm_steps: int) -> int:
+    """The eager reference steps a fit has room for: :data:`REFERENCE_STEPS`, or none in a short fit.
+
+    A fit too short to run the reference steps and still confirm and time its first level spends no steps on them:
+    graphs come first, and the warmup steps give the eager baseline (a median of steps that also record).
+
+    Args:
+        batches_left: Training batches after the warmup steps (``inf`` when the fit's length is not known).
+        accumulate: ``accumulate_grad_batches`` (the level's steps count optimizer steps).
+        confirm_steps: The confirming steps of a first capture.
+
+    Example:
+        >>> reference_steps(float("inf"), 1, 2), reference_steps(40, 1, 2), reference_steps(8, 1, 2)
+        (5, 5, 0)
+    """
+    needed = REFERENCE_STEPS + (confirm_steps + MEASURE_STEPS) * accumulate
+    return REFERENCE_STEPS if batches_left >= needed else 0
 
 
 class Ladder:

@@ -2,8 +2,11 @@
 
 A fixed scope is a one-level ladder. Under ``scope="auto"`` the levels, in order, are ``attn`` (attention and
 Mamba mixers), ``attn+mlp`` (plus dense feed-forward blocks and MoE routers: the dense parts of a layer),
-``layer`` (whole layers) and ``full_iteration`` (the whole step, when the Trainer's strategy is one of the
-package's: only a strategy owns the step). Custom scopes of ``modules=`` join every scoped level; overrides of
+``layer`` (whole layers), ``model`` (the LightningModule's submodules that hold every trainable parameter: the
+whole forward and backward, with the loss and the optimizer left eager) and ``full_iteration`` (the whole step,
+when the Trainer's strategy is one of the package's: only a strategy owns the step). ``model`` is where a step
+that reads the host (``loss.item()``) or holds an uncapturable loss gets the most of its work on graphs, and the
+widest level the callback can reach. Custom scopes of ``modules=`` join every scoped level; overrides of
 built-in scopes apply to the levels that use them. A level that finds no modules, or the same modules as the level
 before, is skipped. How the levels are walked is :mod:`lightning_cudagraph.ladder`'s.
 """
@@ -18,7 +21,17 @@ import torch.nn as nn
 from lightning_cudagraph.config import FULL_ITERATION, SCOPES, Selector
 from lightning_cudagraph.scopes import Target, resolve_present
 
-__all__ = ["LEVEL_SCOPES", "Level", "Plan", "build_levels", "replacement_parts", "scoped_targets", "walk_order"]
+__all__ = [
+    "LEVEL_SCOPES",
+    "MODEL",
+    "Level",
+    "Plan",
+    "build_levels",
+    "model_targets",
+    "replacement_parts",
+    "scoped_targets",
+    "walk_order",
+]
 
 #: The scoped levels of ``scope="auto"`` and the scopes each captures, narrowest first.
 LEVEL_SCOPES: dict[str, tuple[str, ...]] = {
@@ -26,6 +39,8 @@ LEVEL_SCOPES: dict[str, tuple[str, ...]] = {
     "attn+mlp": ("attn", "mamba", "mlp", "moe_router"),
     "layer": ("layer",),
 }
+#: The level of the model's own submodules, between ``layer`` and the whole step.
+MODEL = "model"
 #: What stands in for a layer whose capture fails: its dense parts (MoE experts stay eager).
 PART_SCOPES = LEVEL_SCOPES["attn+mlp"]
 
@@ -81,7 +96,10 @@ class Plan:
 
 
 def build_levels(
-    model: nn.Module, overrides: Mapping[str, Sequence[Selector]], whole_step_problem: str | None
+    model: nn.Module,
+    overrides: Mapping[str, Sequence[Selector]],
+    whole_step_problem: str | None,
+    model_problem: str | None = None,
 ) -> list[Level]:
     """The levels of ``scope="auto"`` for ``model``, in climbing order (skipped ones included, with their reason).
 
@@ -89,6 +107,7 @@ def build_levels(
         model: The LightningModule.
         overrides: The ``modules=`` option: overrides of built-in scopes, and custom scopes (in every scoped level).
         whole_step_problem: Why the whole step cannot be captured in this fit, or ``None`` if it can.
+        model_problem: Why the ``model`` level is not tried in this fit (the capture mode), or ``None``.
 
     Example:
         >>> import torch.nn as nn
@@ -98,8 +117,11 @@ def build_levels(
         ...         self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
         >>> model = nn.Module()
         >>> model.layers = nn.ModuleList([Block(), Block()])
-        >>> [(l.name, len(l.targets), l.unavailable) for l in build_levels(model, {}, "needs the strategy")]
-        [('attn', 2, None), ('attn+mlp', 4, None), ('layer', 2, None), ('full_iteration', 0, 'needs the strategy')]
+        >>> model.head = nn.Linear(4, 2)
+        >>> [(l.name, len(l.targets)) for l in build_levels(model, {}, "needs the strategy")]
+        [('attn', 2), ('attn+mlp', 4), ('layer', 2), ('model', 0), ('full_iteration', 0)]
+        >>> build_levels(model, {}, None)[3].unavailable  # the layers' list is never called as a whole
+        'trainable parameters outside a called submodule of Module: layers.0.attn.weight, ...'
     """
     custom = tuple(name for name in overrides if name not in SCOPES)
     levels: list[Level] = []
@@ -114,8 +136,45 @@ def build_levels(
         else:
             levels.append(Level(name, targets))
             previous = (name, names)
+    found = model_targets(model)
+    if model_problem is not None or isinstance(found, str):
+        levels.append(Level(MODEL, unavailable=model_problem or str(found)))
+    elif previous is not None and tuple(target.name for target in found) == previous[1]:
+        levels.append(Level(MODEL, unavailable=f"the same modules as {previous[0]!r}"))
+    else:
+        levels.append(Level(MODEL, found))
     levels.append(Level(FULL_ITERATION, unavailable=whole_step_problem))
     return levels
+
+
+def model_targets(model: nn.Module) -> tuple[Target, ...] | str:
+    """The ``model`` level's regions: the module's children that hold its trainable parameters, or why there are none.
+
+    A child is a region when it holds a trainable parameter and can be called (a ``ModuleList`` or ``ModuleDict``
+    cannot). The level exists only when these children hold every trainable parameter: one left outside would train
+    eagerly between regions, which is what the narrower levels already do.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> module = nn.Module()
+        >>> module.net, module.loss = nn.Sequential(nn.Linear(4, 4)), nn.CrossEntropyLoss()
+        >>> [target.name for target in model_targets(module)]
+        ['net']
+    """
+    children = [
+        Target(name, child, MODEL)
+        for name, child in model.named_children()
+        if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and any(p.requires_grad for p in child.parameters())
+    ]
+    held = {id(parameter) for target in children for parameter in target.module.parameters()}
+    trained = ((name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad)
+    loose = [name for name, parameter in trained if id(parameter) not in held]
+    if loose:
+        shown = ", ".join(loose[:1]) + (", ..." if len(loose) > 1 else "")
+        return f"trainable parameters outside a called submodule of {type(model).__name__}: {shown}"
+    if not children:
+        return f"no submodule of {type(model).__name__} holds trainable parameters"
+    return tuple(children)
 
 
 def scoped_targets(levels: Sequence[Level]) -> list[Target]:

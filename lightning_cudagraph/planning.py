@@ -46,7 +46,8 @@ def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Lightnin
     for name in config.modules:  # every override must find modules (custom scopes join every level)
         resolve_scopes(module, [name], config.modules, component)
     levels = []
-    for level in build_levels(module, config.modules, _whole_step_problem(config, trainer)):
+    whole_model = None if config.impl == "local" else f"impl={config.impl!r} captures layers at most"
+    for level in build_levels(module, config.modules, _whole_step_problem(config, trainer), whole_model):
         try:
             check_targets(level.targets, "scope='auto'")
         except ValueError as error:  # activation checkpointing: this level is skipped, not the fit refused

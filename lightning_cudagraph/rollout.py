@@ -126,6 +126,8 @@ class Rollout:
             return
         self.backend.enter()
         driver.start(trainer)
+        if self.climb is not None:
+            self.climb.train_started(trainer, self.config.confirm_steps)
 
     # ------------------------------------------------------------------ training batches
     def batch_start(self, trainer: pl.Trainer, batch: Any) -> None:

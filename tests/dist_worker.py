@@ -44,7 +44,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 WARMUP = 2
 #: ``scope="auto"``: warmup, then per scoped level capture and parity, one graphed confirmation step and the timed
 #: steps; the whole step's eager steps up to NCCL's 11 are long done by the time the climb reaches it.
-AUTO_STEPS = WARMUP + 4 * (1 + MAX_MEASURE_STEPS) + 4
+AUTO_STEPS = WARMUP + 5 * (1 + MAX_MEASURE_STEPS) + 4
 
 
 @dataclass
@@ -117,7 +117,7 @@ CASES: dict[str, Case] = {
         {"warmup_steps": WARMUP},
         {
             0: lambda: {"step_ms": timed_by_level(LEVEL_MS)},
-            1: lambda: {"step_ms": timed_by_level({**LEVEL_MS, "layer": 9.0, "full_iteration": 9.0})},
+            1: lambda: {"step_ms": timed_by_level({**LEVEL_MS, "layer": 9.0, "model": 9.0, "full_iteration": 9.0})},
         },
         max_steps=AUTO_STEPS,
     ),

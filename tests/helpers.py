@@ -175,7 +175,7 @@ def graph_pool_bytes() -> int:
 
 # =================================================================== scope="auto" on the fake backend
 #: Step times (ms) per level that ladder tests give the fake timer: each wider level is faster.
-LEVEL_MS = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "full_iteration": 2.0}
+LEVEL_MS = {"eager": 10.0, "attn": 8.0, "attn+mlp": 6.0, "layer": 4.0, "model": 3.0, "full_iteration": 2.0}
 
 
 def level_of(backend: FakeBackend) -> str:
@@ -185,6 +185,8 @@ def level_of(backend: FakeBackend) -> str:
     names = backend.live_region_names
     if not names and any(graph.live for graph in backend.step_graphs):  # a scoped level's optimizer graph has regions
         return "full_iteration"
+    if "model" in names:  # the decoder's one submodule
+        return "model"
     if any(re.fullmatch(r"model\.blocks\.\d+", name) for name in names):
         return "layer"
     if any(name.endswith((".mlp", ".router")) for name in names):

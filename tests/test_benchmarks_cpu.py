@@ -254,7 +254,7 @@ def test_the_report_without_json_says_so(tmp_path, capsys):
 def test_the_committed_results_give_every_docs_section(tmp_path):
     text, drawn = report.render(report.load(report.RESULTS), report.RESULTS, None, tmp_path / "benchmarks.md")
     headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings[0] == "## README table" and len(headings) == 11, headings
+    assert headings[0] == "## README table" and len(headings) == 12, headings
     assert "## Gradient accumulation inside the whole step" in headings
     zoo = json.loads((report.RESULTS / "zoo" / "zoo.json").read_text())
     runs = [run for entry in zoo["entries"] for run in entry["runs"]]

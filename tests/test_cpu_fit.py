@@ -47,6 +47,18 @@ class PlainModule(pl.LightningModule):
         return DataLoader(data, batch_size=4)
 
 
+class LooseModule(PlainModule):
+    """:class:`PlainModule` with a trainable scale of its own: no submodule holds every parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x) * self.scale, y)
+
+
 def plain_fit() -> tuple[pl.LightningModule, dict[str, Any]]:
     """:class:`PlainModule` and what its ``fit`` needs besides (nothing: it has its own loader)."""
     return PlainModule(), {}
@@ -179,7 +191,7 @@ def test_impl_none_turns_everything_off_without_warning(tmp_path):
 
 
 def test_auto_scope_without_targets_warns_and_trains(tmp_path):
-    model = PlainModule()
+    model = LooseModule()
     trainer = cpu_trainer(tmp_path, MAX_STEPS, callbacks=[CUDAGraphCallback()])
     caught = fit_recording_warnings(trainer, model)
 
@@ -194,6 +206,17 @@ def test_auto_scope_without_targets_warns_and_trains(tmp_path):
     assert messages(caught, "no_cuda") == [], "one warning says why graphs are off, not two"
 
 
+def test_auto_through_the_callback_plans_the_models_submodules_on_a_model_without_regions(tmp_path):
+    trainer = cpu_trainer(tmp_path, MAX_STEPS, callbacks=[CUDAGraphCallback()])
+    caught = fit_recording_warnings(trainer, PlainModule())
+
+    report = graph_callback(trainer).report
+    assert [(row.level, row.status) for row in report.ladder][2:4] == [("layer", "skipped"), ("model", "planned")]
+    assert report.scopes["model"] == ["net"]
+    assert (report.stage, report.reason) == (Stage.DISABLED, "no_cuda")  # on a GPU, net is captured
+    assert len(messages(caught, "no_cuda")) == 1, package_messages(caught)
+
+
 def test_auto_through_the_strategy_still_has_the_whole_step_on_a_model_without_regions(tmp_path):
     trainer = cpu_trainer(tmp_path, MAX_STEPS, strategy="cudagraph")
     caught = fit_recording_warnings(trainer, PlainModule())
@@ -203,6 +226,7 @@ def test_auto_through_the_strategy_still_has_the_whole_step_on_a_model_without_r
         ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
+        ("model", "planned"),
         ("full_iteration", "planned"),
     ]
     assert (report.stage, report.reason) == (Stage.DISABLED, "no_cuda")  # on a GPU, the whole step is captured

@@ -265,7 +265,7 @@ def test_scope_auto_under_ddp_settles_both_ranks_on_the_same_level(ranks):
     assert_same_state(rank0, rank1)
     for report in (rank0, rank1):
         assert report["stage"] == Stage.REPLAYING, report["reason"]
-        assert report["level"] in {"attn", "attn+mlp", "layer", "full_iteration"}
+        assert report["level"] in {"attn", "attn+mlp", "layer", "model", "full_iteration"}
         assert all(row["status"] not in {"trying", "planned"} for row in report["ladder"]), report["ladder"]
         assert all(math.isfinite(loss) for loss in report["losses"])
 

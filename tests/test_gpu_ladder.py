@@ -54,7 +54,7 @@ def test_the_callback_alone_settles_on_a_measured_scoped_level():
 
     report = callback.report
     assert report.stage == Stage.REPLAYING, report.reason
-    assert report.level in {"attn", "attn+mlp", "layer"}
+    assert report.level in {"attn", "attn+mlp", "layer", "model"}
     kept = [row for row in report.ladder if row.status == "kept"]
     assert [row.level for row in kept] == [report.level]
     assert kept[0].step_ms <= min(measured(report).values()) / (1 - 0.05) + 1e-9

@@ -29,7 +29,17 @@ from lightning_cudagraph.ladder import (
 )
 from lightning_cudagraph.levels import Level, build_levels
 from tests.fake_backend import FakeBackend
-from tests.helpers import LEVEL_MS, assert_losses_close, fit, graph_callback, patched_forwards, timed_by_level, trainer
+from tests.helpers import (
+    LEVEL_MS,
+    assert_losses_close,
+    fit,
+    graph_callback,
+    max_param_diff,
+    parameters_of,
+    patched_forwards,
+    timed_by_level,
+    trainer,
+)
 from tests.models import TINY, MoEDecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -37,7 +47,9 @@ WARMUP = 2
 #: Steps the climb spends per scoped level: capture and parity checks, the rest of confirmation, then the timed ones.
 STEPS_PER_LEVEL = 2 + MEASURE_STEPS
 #: Enough for the eager reference, every level timed as long as a close call takes, and the steady-state check.
-STEPS = WARMUP + REFERENCE_STEPS + 4 * (1 + MAX_MEASURE_STEPS) + CHECK_STEPS + 4
+STEPS = WARMUP + REFERENCE_STEPS + 5 * (1 + MAX_MEASURE_STEPS) + CHECK_STEPS + 4
+#: The ``model`` level's time when a test is about the levels below it: not faster than ``attn`` by the margin.
+NOT_FASTER = LEVEL_MS["attn"] * (1 - MARGIN / 2)
 
 
 def timed(**ms: float) -> FakeBackend:
@@ -65,7 +77,8 @@ def ladder(report) -> list[tuple[str, str]]:
 def test_levels_of_a_dense_decoder_widen_from_attention_to_layers():
     model, _ = decoder(TINY)
     levels = build_levels(model, {}, whole_step_problem=None)
-    assert [level.name for level in levels] == ["attn", "attn+mlp", "layer", "full_iteration"]
+    assert [level.name for level in levels] == ["attn", "attn+mlp", "layer", "model", "full_iteration"]
+    assert [t.name for t in levels[3].targets] == ["model"], "the module's one submodule holds every parameter"
     assert [t.name for t in levels[1].targets] == [
         f"model.blocks.{i}.{part}" for i in range(TINY["n_layer"]) for part in ("attn", "mlp")
     ]
@@ -95,7 +108,7 @@ def test_custom_scopes_join_every_scoped_level():
 
 # ---------------------------------------------------------------------------------------------- the climb
 def test_the_callback_climbs_from_attention_to_whole_layers_and_skips_the_level_between(tmp_path):
-    backend = timed()
+    backend = timed(model=NOT_FASTER)
     eager = fit(*decoder(TINY), STEPS, **CPU)
     callback = auto_callback(backend)
     run = fit(*decoder(TINY), STEPS, [callback], logger=CSVLogger(tmp_path), log_every_n_steps=1, **CPU)
@@ -105,6 +118,7 @@ def test_the_callback_climbs_from_attention_to_whole_layers_and_skips_the_level_
         ("attn", "slower"),
         ("attn+mlp", "skipped"),
         ("layer", "kept"),
+        ("model", "slower"),
         ("full_iteration", "skipped"),
     ]
     assert report.ladder[1].reason == "'layer' was confirmed faster and holds its work"
@@ -114,12 +128,34 @@ def test_the_callback_climbs_from_attention_to_whole_layers_and_skips_the_level_
     assert [report.ladder[i].step_ms for i in (0, 2)] == [LEVEL_MS["attn"], LEVEL_MS["layer"]]
     assert all(report.ladder[i].steps >= STEPS_PER_LEVEL for i in (0, 2))
     assert report.capture_ms_total >= sum(row.capture_ms for row in report.ladder) > 0
-    assert backend.pools == 2, "each level tried captures into a pool of its own"
+    assert backend.pools == 3, "each level tried captures into a pool of its own"
     assert_losses_close(eager.losses, run.losses, 1e-5)
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
     with open(f"{run.trainer.logger.log_dir}/metrics.csv") as handle:
         levels = [float(row["cudagraph/level"]) for row in csv.DictReader(handle) if row.get("cudagraph/level")]
-    assert levels[0] == 1.0 and levels[-1] == 3.0 and sorted(levels) == levels, "cudagraph/level follows the climb"
+    assert levels[0] == 1.0 and levels[-1] == 3.0 and 3.5 in levels, "cudagraph/level follows the climb"
+
+
+def test_the_callback_climbs_from_attention_to_the_models_submodules_with_the_loss_and_optimizer_eager():
+    backend = timed()
+    eager = fit(*decoder(TINY), STEPS, **CPU)
+    callback = auto_callback(backend)
+    run = fit(*decoder(TINY), STEPS, [callback], **CPU)
+
+    report = callback.report
+    assert ladder(report) == [
+        ("attn", "slower"),
+        ("attn+mlp", "skipped"),
+        ("layer", "skipped"),
+        ("model", "kept"),
+        ("full_iteration", "skipped"),
+    ]
+    assert report.ladder[2].reason == "'model' was confirmed faster and holds its work"
+    assert (report.stage, report.level, report.scopes["model"]) == (Stage.REPLAYING, "model", ["model"])
+    assert [region.name for region in backend.regions if region.replays > 0][-1:] == ["model"]
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert max_param_diff(parameters_of(eager.model), parameters_of(run.model)) < 1e-5
+    assert patched_forwards(run.model) == [] and backend.live_graphs == 0
 
 
 def test_through_the_strategy_the_climb_goes_from_attention_to_the_whole_step():
@@ -132,6 +168,7 @@ def test_through_the_strategy_the_climb_goes_from_attention_to_the_whole_step():
         ("attn", "slower"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
+        ("model", "skipped"),
         ("full_iteration", "kept"),
     ]
     assert backend.pools == 2, "two levels tried: attention, then the whole step"
@@ -154,7 +191,8 @@ def test_confirming_steps_do_not_count_towards_a_levels_time():
     # A confirming step also runs the parity checks' eager forwards (and the first replays upload the graphs): on a
     # GPU it is slower than the level's steady state; here it takes far longer, and must not move the level's time.
     probe = StageAtStart()
-    backend = FakeBackend(step_ms=lambda b: 100.0 if probe.stage == Stage.CONFIRMING else timed_by_level(LEVEL_MS)(b))
+    clock = timed_by_level({**LEVEL_MS, "model": NOT_FASTER})
+    backend = FakeBackend(step_ms=lambda b: 100.0 if probe.stage == Stage.CONFIRMING else clock(b))
     callback = auto_callback(backend)
     fit(*decoder(TINY), STEPS, [callback, probe], **CPU)
 
@@ -163,14 +201,39 @@ def test_confirming_steps_do_not_count_towards_a_levels_time():
     assert report.level == "layer"
 
 
+class StagesAtEnd(pl.Callback):
+    """The rollout's stage after every training step."""
+
+    def __init__(self) -> None:
+        self.stages: list[Stage] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.stages.append(graph_callback(trainer).report.stage)
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_a_short_fit_captures_right_after_warmup_and_a_long_one_times_eager_steps_first(short):
+    # A fit with no room for the eager reference steps and the first level's confirmation and timing captures after
+    # its warmup steps (their median is the eager baseline): a short fit still trains on graphs.
+    steps = WARMUP + REFERENCE_STEPS if short else STEPS
+    probe, callback = StagesAtEnd(), auto_callback(timed())
+    fit(*decoder(TINY), steps, [callback, probe], **CPU)
+
+    eager = WARMUP if short else WARMUP + REFERENCE_STEPS
+    assert probe.stages[:eager] == [Stage.WARMUP] * eager
+    assert probe.stages[eager] != Stage.WARMUP, "the first capture comes right after the eager steps"
+    assert callback.report.stage == Stage.REPLAYING and callback.report.captures >= 1, callback.report.reason
+    assert callback.report.eager_step_ms > 0
+
+
 def test_wider_levels_within_the_margin_are_not_kept_and_training_goes_back_to_the_best():
     close = LEVEL_MS["attn"] * (1 - MARGIN / 2)  # faster than attn, but by less than the margin
-    backend = timed(layer=close, **{"attn+mlp": close})
+    backend = timed(layer=close, model=close, **{"attn+mlp": close})
     callback = auto_callback(backend)
     fit(*decoder(TINY), STEPS, [callback], **CPU)
 
     report = callback.report
-    assert ladder(report)[:3] == [("attn", "kept"), ("attn+mlp", "slower"), ("layer", "slower")]
+    assert ladder(report)[:4] == [("attn", "kept"), ("attn+mlp", "slower"), ("layer", "slower"), ("model", "slower")]
     assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
     steps = [row.steps for row in report.ladder[:3]]
     clear = WARMUP + REFERENCE_STEPS + 1 + MEASURE_STEPS + 1
@@ -181,30 +244,33 @@ def test_wider_levels_within_the_margin_are_not_kept_and_training_goes_back_to_t
 
 def level_of_last_capture(backend: FakeBackend) -> str:
     last = backend.regions[-1].name
+    if last == "model":
+        return "model"
     return "layer" if re.fullmatch(r"model\.blocks\.\d+", last) else "attn+mlp" if last.endswith(".mlp") else "attn"
 
 
 def test_when_the_widest_level_fails_the_climb_goes_down_to_the_next_narrower_one():
     backend = timed()
     backend.fail_step = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
-    with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed .*tries 'layer' next"):
+    with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed .*tries 'model' next"):
         run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
 
     report = graph_callback(run.trainer).report
     assert ladder(report) == [
         ("attn", "slower"),
         ("attn+mlp", "skipped"),
-        ("layer", "kept"),
+        ("layer", "skipped"),
+        ("model", "kept"),
         ("full_iteration", "failed"),
     ]
     assert report.ladder[-1].reason.startswith("capture_failed: RuntimeError: Cannot copy")
-    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
-    assert level_of_last_capture(backend) == "layer"
+    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "model", 0)
+    assert level_of_last_capture(backend) == "model"
     assert all(optimizer.restored for optimizer in backend.optimizers)
 
 
 def test_no_level_faster_than_eager_turns_graphs_off_and_training_goes_on():
-    backend = timed(attn=9.9, **{"attn+mlp": 9.8, "layer": 9.7})
+    backend = timed(attn=9.9, model=9.6, **{"attn+mlp": 9.8, "layer": 9.7})
     eager = fit(*decoder(TINY), STEPS, **CPU)
     callback = auto_callback(backend)
     with pytest.warns(UserWarning, match="not_faster"):
@@ -212,19 +278,19 @@ def test_no_level_faster_than_eager_turns_graphs_off_and_training_goes_on():
 
     report = callback.report
     assert (report.stage, report.reason, report.level) == (Stage.DISABLED, "not_faster", None)
-    assert [row.status for row in report.ladder[:3]] == ["slower"] * 3
+    assert [row.status for row in report.ladder[:4]] == ["slower"] * 4
     assert_losses_close(eager.losses, run.losses, 1e-5)
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
 
 
 def test_a_level_between_over_the_memory_budget_ends_the_climb_on_the_best_level_before_it():
-    backend = timed(layer=7.9)  # one MiB per region: attn 2, attn+mlp 4, layer 2; layer not faster by the margin
+    backend = timed(layer=7.9, model=7.9)  # a MiB per region: attn 2, attn+mlp 4, layer 2, model 1; none faster
     callback = auto_callback(backend, max_pool_mib=3)
     with pytest.warns(UserWarning, match="level 'attn\\+mlp' of scope='auto' failed .*goes back to 'attn'"):
         fit(*decoder(TINY), STEPS, [callback], **CPU)
 
     report = callback.report
-    assert ladder(report)[:3] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "slower")]
+    assert ladder(report)[:4] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "slower"), ("model", "slower")]
     assert report.ladder[1].reason.startswith("memory_budget")
     assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
 
@@ -241,12 +307,14 @@ def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
     run = fit(*decoder(TINY, MoEDecoderModule), STEPS, [callback], **CPU)
 
     report = callback.report
-    assert set(report.exclusions) == set(layers)
-    assert all("its parts are captured instead" in why and "Cannot copy" in why for why in report.exclusions.values())
+    assert set(report.exclusions) == {*layers, "model"}, "the model level failed first: the experts read the host"
+    assert "a host sync" in report.exclusions["model"]
+    assert all("its parts are captured instead" in report.exclusions[layer] for layer in layers)
+    assert all("Cannot copy" in report.exclusions[layer] for layer in layers)
     assert report.rollbacks == 0 and report.stage == Stage.REPLAYING
     parts = {f"{layer}.{part}" for layer in layers for part in ("attn", "moe.router")}
     assert parts <= {region.name for region in backend.regions}, "the parts were captured in place of the layers"
-    assert ladder(report)[:3] == [("attn", "slower"), ("attn+mlp", "skipped"), ("layer", "kept")]
+    assert ladder(report)[:4] == [("attn", "slower"), ("attn+mlp", "skipped"), ("layer", "kept"), ("model", "failed")]
     assert report.ladder[2].step_ms == LEVEL_MS["attn+mlp"], "the layer level runs its layers' dense parts"
     first_layer_pass = len(backend.warmup_iters_per_pass) - 1 - TINY["n_layer"]
     assert backend.warmup_iters_per_pass[first_layer_pass:] == [0] * (1 + TINY["n_layer"]), (
@@ -272,6 +340,7 @@ def test_a_level_that_narrows_to_the_regions_of_one_timed_before_is_not_timed_ag
         ("attn", "kept"),
         ("attn+mlp", "skipped"),
         ("layer", "slower"),
+        ("model", "failed"),
         ("full_iteration", "failed"),
     ]
     assert report.ladder[1].reason == "after narrowing, the same regions as 'layer'"

@@ -59,25 +59,25 @@ def rows(report) -> dict[str, str]:
 
 
 def test_one_slow_step_in_a_levels_window_does_not_decide_against_it():
-    clock = NoisyClock({}, noise=lambda level, count: 40.0 if level == "layer" and count == 3 else None)
+    clock = NoisyClock({}, noise=lambda level, count: 40.0 if level == "model" and count == 3 else None)
     report, _ = auto_fit(clock)
-    assert report.level == "layer", report.ladder
-    assert rows(report)["layer"] == "kept"
+    assert report.level == "model", report.ladder
+    assert rows(report)["model"] == "kept"
     assert report.stage == Stage.REPLAYING
 
 
 def test_a_level_whose_first_window_was_slow_is_timed_again_and_kept_on_its_steady_time():
     # ConvNeXt-atto on the H200: one fit timed ``layer`` at 35 ms over its first steps, another at 11 ms.
-    clock = NoisyClock({}, noise=lambda level, count: 35.0 if level == "layer" and count < 2 + MEASURE_STEPS else None)
+    clock = NoisyClock({}, noise=lambda level, count: 35.0 if level == "model" and count < 2 + MEASURE_STEPS else None)
     report, _ = auto_fit(clock)
-    assert report.level == "layer", report.ladder
-    layer = next(row for row in report.ladder if row.level == "layer")
-    assert layer.step_ms == LEVEL_MS["layer"], "the faster of the two windows counts"
+    assert report.level == "model", report.ladder
+    model = next(row for row in report.ladder if row.level == "model")
+    assert model.step_ms == LEVEL_MS["model"], "the faster of the two windows counts"
 
 
 def test_slow_warmup_steps_do_not_make_a_level_slower_than_eager_look_faster():
     # Warmup steps record every call and run slow; steady eager training runs at 10 ms; every level is slower.
-    table = {"warmup": 25.0, "eager": 10.0, "attn": 12.0, "attn+mlp": 11.0, "layer": 10.5}
+    table = {"warmup": 25.0, "eager": 10.0, "attn": 12.0, "attn+mlp": 11.0, "layer": 10.5, "model": 10.2}
     report, run = auto_fit(NoisyClock(table, noise=lambda level, count: None))
     assert report.eager_step_ms == 10.0, "the reference comes from the steady eager steps, not the warmup ones"
     assert report.stage == Stage.DISABLED and report.level is None
@@ -86,20 +86,20 @@ def test_slow_warmup_steps_do_not_make_a_level_slower_than_eager_look_faster():
 
 
 def test_a_settled_level_that_loses_to_eager_in_the_steady_state_goes_back_to_eager_training():
-    # ``layer`` wins its window, then runs slower than eager: the steady-state check catches it.
+    # ``model`` wins its window, then runs slower than eager: the steady-state check catches it.
     slow_later = MEASURE_STEPS + 4
 
     def noise(level: str, count: int) -> float | None:
-        return 14.0 if level == "layer" and count >= slow_later else None
+        return 14.0 if level == "model" and count >= slow_later else None
 
     report, run = auto_fit(NoisyClock({}, noise))
-    assert rows(report)["layer"] == "slower"
-    assert "steady state" in next(row.reason for row in report.ladder if row.level == "layer")
+    assert rows(report)["model"] == "slower"
+    assert "steady state" in next(row.reason for row in report.ladder if row.level == "model")
     assert report.stage == Stage.DISABLED and "not_faster" in (report.reason or "")
     assert run.trainer.global_step == STEPS
 
 
 def test_a_steady_ladder_settles_on_the_fastest_level_and_stays_there():
     report, _ = auto_fit(NoisyClock({}, noise=lambda level, count: None))
-    assert report.level == "layer" and report.stage == Stage.REPLAYING
+    assert report.level == "model" and report.stage == Stage.REPLAYING
     assert report.eager_step_ms == LEVEL_MS["eager"]

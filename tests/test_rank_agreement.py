@@ -212,7 +212,7 @@ def test_a_parameter_rebound_on_one_rank_rolls_back_every_rank_at_the_next_healt
 def test_scope_auto_settles_every_rank_on_the_same_level_timed_by_the_slowest_rank(
     ranks: Callable[[str], Ranks],
 ) -> None:
-    # Rank 0 times layer at 4 ms and the whole step at 2 ms; rank 1 times both at 9 ms, slower than attn+mlp's 6.
+    # Rank 0 times layer, model and the whole step at 4, 3 and 2 ms; rank 1 times all three at 9 ms (attn+mlp: 6).
     rank0, rank1 = ranks("auto_ladder")
 
     steps = rank0["global_step"]
@@ -221,6 +221,7 @@ def test_scope_auto_settles_every_rank_on_the_same_level_timed_by_the_slowest_ra
         ("attn", "slower", 8.0),
         ("attn+mlp", "kept", 6.0),
         ("layer", "slower", 9.0),
+        ("model", "slower", 9.0),
         ("full_iteration", "slower", 9.0),
     ]
     for report in (rank0, rank1):

@@ -265,9 +265,21 @@ def test_auto_starts_on_the_narrowest_level_that_finds_modules(build, first, exp
     assert [t.name for t in levels[0].targets] == expected
 
 
-def test_auto_on_a_model_with_nothing_to_capture_has_no_scoped_level():
+def test_auto_on_a_model_with_no_named_regions_has_only_its_submodules_and_the_whole_step():
     levels = build_levels(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), {}, whole_step_problem=None)
-    assert [level.name for level in levels if level.unavailable is None] == ["full_iteration"]
+    assert [level.name for level in levels if level.unavailable is None] == ["model", "full_iteration"]
+    assert [target.name for target in levels[3].targets] == ["0", "2"], "the children that hold parameters"
+
+
+def test_the_model_level_is_left_out_when_a_parameter_sits_outside_every_called_submodule():
+    model = nn.Module()
+    model.blocks, model.head = nn.ModuleList([nn.Linear(8, 8)]), nn.Linear(8, 2)
+    levels = {level.name: level for level in build_levels(model, {}, whole_step_problem=None)}
+    why = "trainable parameters outside a called submodule of Module: blocks.0.weight, ..."
+    assert levels["model"].unavailable == why
+    model.blocks.requires_grad_(False)  # frozen (a peft base): the head alone holds what trains
+    levels = {level.name: level for level in build_levels(model, {}, whole_step_problem=None)}
+    assert [target.name for target in levels["model"].targets] == ["head"]
 
 
 def test_scope_matching_nothing_lists_candidate_names():

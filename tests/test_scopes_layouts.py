@@ -399,9 +399,16 @@ def test_auto_ladder_on_real_layouts(layout):
     model = build(layout)
     found, order = LAYOUTS[layout][1], [name for name, _ in model.named_modules()]
     levels = build_levels(model, {}, whole_step_problem=None)
-    assert [level.name for level in levels] == [*LEVEL_SCOPES, "full_iteration"]
+    assert [level.name for level in levels] == [*LEVEL_SCOPES, "model", "full_iteration"]
+    whole = levels[-2]
+    if whole.unavailable is None:  # the model level holds every trainable parameter in its regions
+        held = {id(p) for target in whole.targets for p in target.module.parameters()}
+        assert all(id(p) in held for p in model.parameters() if p.requires_grad)
+    else:
+        known = ("trainable parameters outside", "the same modules as", "no submodule")
+        assert whole.unavailable.startswith(known), whole
     previous = None
-    for level in levels[:-1]:
+    for level in levels[:-2]:
         names = {name for scope in LEVEL_SCOPES[level.name] for name in found.get(scope, [])}
         expected = sorted(names, key=order.index)
         if not expected:
