@@ -5,8 +5,11 @@
 On the small GPT and a Hugging Face Llama (small configs), each variant trains with gradient clipping and a
 step-wise scheduler, in alternated rounds in one process:
 ``eager`` (accumulate 4), ``full_iteration`` (``cudagraph_full``, accumulate 4), ``full_iteration_x4`` (accumulate 1,
-four times the micro-batch), ``layer`` (``CUDAGraphCallback(scope=["layer"])``, accumulate 4). A micro-batch's time
-is the GPU-timeline distance between batch starts (CUDA events); the table compares milliseconds per sample.
+four times the micro-batch), ``layer`` (``CUDAGraphCallback(scope=["layer"])``, accumulate 4), ``layer-strategy``
+(``CUDAGraphStrategy(scope=["layer"])``: the same regions, and the optimizer step as a graph of its own) and
+``auto-callback`` (``CUDAGraphCallback()``, timed on its last ``--timed`` optimizer steps, after the ladder settled).
+A micro-batch's time is the GPU-timeline distance between batch starts (CUDA events); the table compares
+milliseconds per sample.
 Parity: eager and ``full_iteration`` train ``--parity-steps`` optimizer steps from the same weights on the same
 batches; the largest loss difference and the largest relative parameter difference are printed.
 """
@@ -26,11 +29,14 @@ from benchmarks.core.timing import StepClock, alternate, peak_memory
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
 
 ACCUMULATE = 4
-VARIANTS = ("eager", "full_iteration", "full_iteration_x4", "layer")
+VARIANTS = ("eager", "full_iteration", "full_iteration_x4", "layer", "layer-strategy", "auto-callback")
+#: Optimizer steps of an ``auto-callback`` fit: the ladder climbs four scoped levels before it settles.
+AUTO_STEPS = 150
 MODELS = ("small", "llama")
 WARMUP = 3
 #: The figures printed per variant.
-SHOWN = ("median_ms", "ms_per_sample", "x_eager", "x_full_iteration", "peak_mib", "stage", "replays", "max_loss_diff")
+SHOWN = ("median_ms", "ms_per_sample", "x_eager", "x_full_iteration", "peak_mib", "stage", "level", "replays")
+SHOWN += ("optimizer_graph", "max_loss_diff")
 SHOWN += ("max_rel_param_diff", "worst_param", "fallbacks", "reason")
 
 
@@ -43,6 +49,10 @@ def trainer_for(variant: str, steps: int, clock: StepClock, accumulate: int) -> 
         strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP)
     elif variant == "layer":
         callbacks.append(CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP))
+    elif variant == "layer-strategy":
+        strategy = CUDAGraphStrategy(scope=["layer"], warmup_steps=WARMUP)
+    elif variant == "auto-callback":
+        callbacks.append(CUDAGraphCallback(warmup_steps=WARMUP))
     return pl.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=steps, callbacks=callbacks,
                       accumulate_grad_batches=accumulate, gradient_clip_val=1.0, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -63,8 +73,11 @@ def with_scheduler(module: Any) -> Any:
     return module
 
 
-def measure(model: str, variant: str, steps: int, keep: int = 0) -> dict[str, Any]:
-    """One fit of ``steps`` optimizer steps: micro-batch times, ms per sample, memory, the report, losses."""
+def measure(model: str, variant: str, steps: int, keep: int = 0, timed: int | None = None) -> dict[str, Any]:
+    """One fit of ``steps`` optimizer steps: micro-batch times, ms per sample, memory, the report, losses.
+
+    ``timed``: time only the last ``timed`` optimizer steps (``None``: every step after warmup and confirmation).
+    """
     micro = config_of(model)["batch_size"]
     big = variant == "full_iteration_x4"
     accumulate, batch = (1, micro * ACCUMULATE) if big else (ACCUMULATE, micro)
@@ -74,7 +87,7 @@ def measure(model: str, variant: str, steps: int, keep: int = 0) -> dict[str, An
     trainer = trainer_for(variant, steps, clock, accumulate)
     with peak_memory() as peak:
         trainer.fit(module, data)
-    skip = (WARMUP + 4) * accumulate
+    skip = (WARMUP + 4) * accumulate if timed is None else (steps - timed) * accumulate
     times = spread(clock.step_times(skip))
     callback = graph_callback(trainer)
     report = None if callback is None else callback.report
@@ -88,6 +101,8 @@ def measure(model: str, variant: str, steps: int, keep: int = 0) -> dict[str, An
         "ms_per_sample": None if median is None else median / batch,
         "peak_mib": finite(peak()),
         "stage": None if report is None else report.stage.name,
+        "level": None if report is None else report.level,
+        "optimizer_graph": None if report is None else report.optimizer_graph,
         "captures": None if report is None else report.captures,
         "replays": None if report is None else report.replays,
         "fallbacks": None if report is None else dict(report.fallback_reasons),
@@ -107,6 +122,13 @@ def parity(reference: dict[str, Any], other: dict[str, Any]) -> dict[str, float]
     return {"max_loss_diff": loss, "max_rel_param_diff": diffs[worst], "worst_param": worst}
 
 
+def timed_fit(model: str, variant: str, args: Any) -> dict[str, Any]:
+    """One timed fit; ``auto-callback`` runs long enough to settle, and is timed on its last ``args.timed`` steps."""
+    if variant == "auto-callback":
+        return measure(model, variant, max(AUTO_STEPS, args.steps), timed=args.timed)
+    return measure(model, variant, args.steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = records.timed_parser(__doc__, steps=30, timed=20, rounds=3)
     parser.add_argument("--parity-steps", type=int, default=100, help="optimizer steps of the parity fits")
@@ -114,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results: dict[str, Any] = {"environment": records.environment(), "accumulate": ACCUMULATE, "models": {}}
     for model in args.models.split(","):
-        fits = alternate(VARIANTS, args.rounds, lambda variant, model=model: measure(model, variant, args.steps))
+        fits = alternate(VARIANTS, args.rounds, lambda variant, model=model: timed_fit(model, variant, args))
         by = {fit["variant"]: fit for fit in fits}
         eager, full = by["eager"].get("ms_per_sample"), by["full_iteration"].get("ms_per_sample")
         rows = {}

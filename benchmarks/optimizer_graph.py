@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/optimizer_graph.py --out benchmarks/results/optimizer_graph
 
 The small GPT trains in bf16-mixed through ``CUDAGraphStrategy(scope=["layer"])``: its update captured as its own
-graph and replayed after the eager backward (the default), and kept eager (``ScopedDriver.graph_optimizer = False``),
+graph and replayed after the eager backward (the default), and kept eager (``optimizer_graph=False``),
 with the AdamW a user writes (PyTorch's default ``foreach`` form). The two alternate for ``--rounds`` rounds in one
 process, in turns (which goes first alternates too). A step time is the CUDA-event distance between batch starts; each
 variant's figure is the median of its rounds' medians.
@@ -35,7 +35,6 @@ from benchmarks.core.figures import finite, spread
 from benchmarks.core.models import WARMUP_STEPS, build, config_of, graph_callback, model_args
 from benchmarks.core.timing import StepClock, fresh_device, timing_trainer
 from lightning_cudagraph import CUDAGraphStrategy
-from lightning_cudagraph.drivers.scoped import ScopedDriver
 
 VARIANTS = ("layer", "layer+optimizer_graph")
 #: The parity fits: the same arithmetic in eager Lightning and under the optimizer graph (see the module's docstring).
@@ -64,14 +63,12 @@ def measure(variant: str, steps: int, timed: int) -> dict[str, Any]:
         module = GPTModule(**model_args(config_of(MODEL)), **EXACT)
     strategy: Any = "auto"
     if base != "eager":
-        strategy = CUDAGraphStrategy(scope=["layer"], warmup_steps=WARMUP_STEPS)
+        strategy = CUDAGraphStrategy(
+            scope=["layer"], warmup_steps=WARMUP_STEPS, optimizer_graph=base == "layer+optimizer_graph"
+        )
     clock = StepClock(keep_losses=steps)
-    ScopedDriver.graph_optimizer = base == "layer+optimizer_graph"
-    try:
-        trainer = timing_trainer(steps, [clock], strategy, PRECISION)
-        trainer.fit(module, data)
-    finally:
-        ScopedDriver.graph_optimizer = True
+    trainer = timing_trainer(steps, [clock], strategy, PRECISION)
+    trainer.fit(module, data)
     callback = graph_callback(trainer)
     report = callback.report if callback is not None else None
     return {

@@ -40,6 +40,7 @@ LABELS = {
     "moe_router+preprocess": '`scope=["moe_router", "moe_preprocess"]`',
     "layer": '`scope=["layer"]`',
     "layer+compile": '`scope=["layer"]` + `compile=True`',
+    "layer-strategy": '`CUDAGraphStrategy(scope=["layer"])` (with the optimizer graph)',
     "full_iteration": '`strategy="cudagraph_full"`',
     "full_iteration+compile": '`strategy="cudagraph_full"` + `compile=True`',
     "auto-callback": "`CUDAGraphCallback()` (auto)",

@@ -87,6 +87,10 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
             evaluation step through the package's strategies, the trained level's regions through the callback alone
             (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
             evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.
+        optimizer_graph: Through the package's strategies, a scoped level replays the optimizer's update (with its
+            learning-rate tensors) as a graph of its own after the eager backward, checked against the eager update
+            first. ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback
+            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph.drivers.optimizer_graph`.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
@@ -126,6 +130,7 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         seal_after_steps: int | None = None,
         audit_every_n_steps: int | None = 1000,
         eval_graphs: bool = True,
+        optimizer_graph: bool = True,
         compile: bool | Mapping[str, Any] = False,
         # end of options
     ) -> None:
@@ -135,6 +140,7 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         if config.enabled:
             ensure_graph_safe_allocator(self.component)
         self.rollout = Rollout(config, self.component)
+        self._state_key: str | None = None
 
     def seal(self, self_check: bool = True) -> None:
         """Close the set of batch shapes now: from the next step on, a shape without graphs raises.
@@ -157,7 +163,10 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
     @override
     def state_key(self) -> str:
         _refuse_duplicates_in_trainer_init(self)
-        return self._generate_state_key(scope=list(self.config.scope), impl=self.config.impl)
+        # Lightning reads it around every hook call (its profiler's action names): built once, from frozen options.
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(scope=list(self.config.scope), impl=self.config.impl)
+        return self._state_key
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -47,6 +47,7 @@ class CUDAGraphConfig:
     seal_after_steps: int | None = None
     audit_every_n_steps: int | None = 1000
     eval_graphs: bool = True
+    optimizer_graph: bool = True
     compile: CompileOptions | None = None
 
     @classmethod

@@ -171,6 +171,15 @@ OPTIONS: tuple[Option, ...] = (
         " evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.",
     ),
     Option(
+        "optimizer_graph",
+        "bool",
+        True,
+        "Through the package's strategies, a scoped level replays the optimizer's update (with its learning-rate"
+        " tensors) as a graph of its own after the eager backward, checked against the eager update first."
+        " ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback"
+        " alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph.drivers.optimizer_graph`.",
+    ),
+    Option(
         "compile",
         "bool | Mapping[str, Any]",
         False,

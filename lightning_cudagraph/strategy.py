@@ -78,6 +78,10 @@ class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
             evaluation step through the package's strategies, the trained level's regions through the callback alone
             (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
             evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.
+        optimizer_graph: Through the package's strategies, a scoped level replays the optimizer's update (with its
+            learning-rate tensors) as a graph of its own after the eager backward, checked against the eager update
+            first. ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback
+            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph.drivers.optimizer_graph`.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
@@ -117,6 +121,7 @@ class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
         seal_after_steps: int | None = None,
         audit_every_n_steps: int | None = 1000,
         eval_graphs: bool = True,
+        optimizer_graph: bool = True,
         compile: bool | Mapping[str, Any] = False,
         # end of options
     ) -> None:
@@ -198,6 +203,10 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
             evaluation step through the package's strategies, the trained level's regions through the callback alone
             (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
             evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.
+        optimizer_graph: Through the package's strategies, a scoped level replays the optimizer's update (with its
+            learning-rate tensors) as a graph of its own after the eager backward, checked against the eager update
+            first. ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback
+            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph.drivers.optimizer_graph`.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
@@ -232,6 +241,7 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         seal_after_steps: int | None = None,
         audit_every_n_steps: int | None = 1000,
         eval_graphs: bool = True,
+        optimizer_graph: bool = True,
         compile: bool | Mapping[str, Any] = False,
         # end of options
         **kwargs: Any,

@@ -59,6 +59,14 @@ def validate(config: Config, component: str) -> None:
         raise config_error(
             component, "eval_graphs", config.eval_graphs, "True or False", "pass eval_graphs=False for eager evaluation"
         )
+    if not isinstance(config.optimizer_graph, bool):
+        raise config_error(
+            component,
+            "optimizer_graph",
+            config.optimizer_graph,
+            "True or False",
+            "pass optimizer_graph=False for an eager optimizer step",
+        )
     _validate_parity_tol(config, component)
     _validate_max_graphs(config, component)
     _validate_scope(config, component)

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.graphs.backend import StepGraph
 from tests.fake_backend import FakeBackend
 from tests.helpers import RaiseAtStep, assert_losses_close, fit, graph_callback, max_param_diff, trainer
@@ -70,7 +69,7 @@ def test_the_update_is_captured_confirmed_and_replayed_at_eager_parity(optimizer
     assert_optimizer_given_back(run.model, backend)
 
 
-def test_without_the_optimizer_graph_or_without_the_strategy_the_update_stays_eager(monkeypatch):
+def test_without_the_optimizer_graph_or_without_the_strategy_the_update_stays_eager():
     backend = FakeBackend()
     callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP)
     callback.capture_backend = backend
@@ -78,10 +77,11 @@ def test_without_the_optimizer_graph_or_without_the_strategy_the_update_stays_ea
     assert callback.report.stage == Stage.REPLAYING
     assert callback.report.optimizer_graph is None and "cudagraph/optimizer_graph" not in callback.report.metrics()
 
-    monkeypatch.setattr(ScopedDriver, "graph_optimizer", False)
     off = FakeBackend()
-    run = fit(*decoder(TINY), STEPS, strategy=scoped(off), **CPU)
-    assert graph_callback(run.trainer).report.stage == Stage.REPLAYING
+    run = fit(*decoder(TINY), STEPS, strategy=scoped(off, optimizer_graph=False), **CPU)
+    report = graph_callback(run.trainer).report
+    assert report.stage == Stage.REPLAYING and report.optimizer_graph == "optimizer_graph=False"
+    assert report.metrics()["cudagraph/optimizer_graph"] == -1.0
     assert off.step_graphs == [] and off.optimizers == []
     assert_losses_close(alone.losses, run.losses, 1e-6)
 
@@ -308,3 +308,8 @@ def test_bf16_mixed_with_clipping_replays_the_update():
     report = graph_callback(run.trainer).report
     assert report.optimizer_graph == "replaying" and report.optimizer_replays == STEPS - WARMUP
     assert_losses_close(eager.losses, run.losses, 2e-2)
+
+
+def test_optimizer_graph_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"optimizer_graph.*True or False"):
+        CUDAGraphStrategy(scope=["layer"], optimizer_graph="off")

@@ -52,13 +52,23 @@ class StateWatch:
 
     def __init__(self) -> None:
         self._watched: list[tuple[str, Tensor, bool, int]] = []
+        self._tensors: list[Tensor] = []
+        self._flags: list[bool] = []
+        self._addresses: list[int] = []
 
     def watch(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Remember ``requires_grad`` and the storage of these tensors now."""
         self._watched = [(name, t, t.requires_grad, t.data_ptr()) for name, t in named_tensors]
+        self._tensors = [t for _, t, _, _ in self._watched]
+        self._flags = [trainable for _, _, trainable, _ in self._watched]
+        self._addresses = [address for _, _, _, address in self._watched]
 
     def problem(self) -> str | None:
         """A rollback reason if a tensor's trainability or storage changed since :meth:`watch`, else ``None``."""
+        # Checked before every replayed step: two list comparisons, and the named search only when one differs.
+        tensors = self._tensors
+        if [t.requires_grad for t in tensors] == self._flags and [t.data_ptr() for t in tensors] == self._addresses:
+            return None
         for name, tensor, trainable, address in self._watched:
             if tensor.requires_grad is not trainable:
                 return (

@@ -45,6 +45,8 @@ __all__ = ["OptimizerGraph", "optimizer_step_replaced"]
 WAITING, CONFIRMING, REPLAYING = "waiting", "confirming", "replaying"
 #: The optimizer's update runs in full precision whatever the step's autocast, so the full-precision tolerance holds.
 OPTIMIZER_TOL = SHADOW_TOL[False]
+#: ``report.optimizer_graph`` when the user turned it off (``optimizer_graph=False``).
+OPTION_OFF = "optimizer_graph=False"
 
 
 class OptimizerGraph:
@@ -237,8 +239,11 @@ class OptimizerGraph:
         """Turn the graph off for the fit, once, when this step's optimizer cannot be captured as it is."""
         if self._optimizer is optimizer:
             return
-        problem = _unfit(trainer, optimizer) if self._optimizer is None else "the fit steps more than one optimizer"
-        self._optimizer = optimizer
+        self._optimizer, first = optimizer, self._optimizer is None
+        if not self.config.optimizer_graph:
+            self.off_reason = self.report.optimizer_graph = OPTION_OFF  # the user's choice: nothing to warn about
+            return
+        problem = _unfit(trainer, optimizer) if first else "the fit steps more than one optimizer"
         if problem is not None:
             self._turn_off(f"optimizer_not_graphed: {problem}")
             self.optimizers.restore()

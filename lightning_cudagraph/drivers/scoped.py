@@ -57,9 +57,6 @@ class ScopedDriver(Driver):
 
     #: How regions are captured (``None``: the backend's default, PyTorch's forward/backward graph pairs).
     capture_method: CaptureMethod | None = None
-    #: Through the package's strategies, the optimizer's update is a graph of its own after the eager backward
-    #: (:mod:`~lightning_cudagraph.drivers.optimizer_graph`); ``False`` keeps it eager (benchmarks compare both).
-    graph_optimizer: bool = True
 
     def __init__(
         self,
@@ -255,7 +252,7 @@ class ScopedDriver(Driver):
     # ------------------------------------------------------------------ the optimizer step (package strategies only)
     def run(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """The strategy's ``optimizer_step``: the eager step, its update replayed as a graph once regions replay."""
-        if not self.graph_optimizer or self._released:
+        if self._released:
             return run_step()
         # An eager reference step of scope="auto" (if this driver takes them) times eager training: its update too.
         reference = getattr(self, "in_reference_step", False)

@@ -169,7 +169,8 @@ class WholeStepDriver(Driver):
             self.binding.after_eager()
             return output
         module = trainer.lightning_module
-        problem = self.optimizers.settings_problem()
+        # A micro-batch that only accumulates has no optimizer step in its graph: no setting of it to hold.
+        problem = self.optimizers.settings_problem() if plan.position.place.steps else None
         if problem is not None:  # a setting moved during the warmup steps (it moves every step) or since capture
             self.machine.rollback(problem)
             return run_eagerly(run_step)
