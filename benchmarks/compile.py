@@ -4,8 +4,9 @@
     PYTHONPATH=. python benchmarks/compile.py --out DIR --models small --precisions bf16-mixed --rounds 1
 
 Variants, alternated round by round in one process (``torch.compiler.reset()`` before each): eager Lightning,
-``torch.compile(mode="reduce-overhead")``, the whole step and ``scope=["layer"]``, each with and without
-``compile=True``, the hand-written whole-step capture, and Thunder (``thunder.jit`` with ``CUDAGraphTransform``,
+``torch.compile(mode="reduce-overhead")``, the whole step, ``scope=["layer"]`` through the callback and through
+``CUDAGraphStrategy`` (which replays the optimizer step as a graph too, so the host paces it less), each with and
+without ``compile=True``, the hand-written whole-step capture, and Thunder (``thunder.jit`` with ``CUDAGraphTransform``,
 skipped where lightning-thunder is missing). Each package variant also gets a 10-step kernel profile before the
 timed steps: kernel ms per step and the floor (GEMM, attention and optimizer kernels, which ``compile=`` leaves as
 they are). A missed goal names what alone takes longer than the step it needs: the floor, the compiled kernels, or
@@ -36,7 +37,14 @@ from benchmarks.core.kernels import KernelWindow
 from benchmarks.core.models import CONFIGS, WARMUP_STEPS, build, train
 from benchmarks.core.timing import alternate, elapsed_ms, endless_batches, peak_memory, recorded
 
-PACKAGE = ("full_iteration", "full_iteration+compile", "layer", "layer+compile")
+PACKAGE = (
+    "full_iteration",
+    "full_iteration+compile",
+    "layer",
+    "layer+compile",
+    "layer-strategy",
+    "layer-strategy+compile",
+)
 VARIANTS = ("eager", "compile_reduce_overhead", *PACKAGE, "pytorch_full_graph", "thunder")
 #: (variant, reference, least ratio wanted: per precision, or ``None``).
 GOALS: tuple[tuple[str, str, dict[str, float] | None], ...] = (
@@ -44,6 +52,7 @@ GOALS: tuple[tuple[str, str, dict[str, float] | None], ...] = (
     ("full_iteration+compile", "compile_reduce_overhead", {"32-true": 2.5, "bf16-mixed": 2.5}),
     ("full_iteration+compile", "thunder", {"32-true": 1.25, "bf16-mixed": 1.25}),
     ("layer+compile", "layer", {"32-true": 1.2, "bf16-mixed": 1.2}),
+    ("layer-strategy+compile", "layer-strategy", {"32-true": 1.1, "bf16-mixed": 1.1}),
     ("full_iteration+compile", "pytorch_full_graph", None),
 )
 PARITY_STEPS, KERNEL_STEPS, KERNEL_GAP = 100, 10, 5

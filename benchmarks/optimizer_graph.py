@@ -19,8 +19,6 @@ The default-optimizer fits are compared with eager too, for what a user sees.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ import torch
 from benchmarks.core import records
 from benchmarks.core.figures import finite, spread
 from benchmarks.core.models import WARMUP_STEPS, build, config_of, graph_callback, model_args
-from benchmarks.core.timing import StepClock, fresh_device, timing_trainer
+from benchmarks.core.timing import StepClock, fresh_device, in_turns, median_of_rounds, timing_trainer
 from lightning_cudagraph import CUDAGraphStrategy
 
 VARIANTS = ("layer", "layer+optimizer_graph")
@@ -104,14 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         fresh_device()
         checks[variant] = measure(variant, args.steps, args.timed)
         print(f"[parity] {variant:>27}: {checks[variant]['median_ms']:8.3f} ms/step")
-    fits: dict[str, list[dict[str, Any]]] = {variant: [] for variant in VARIANTS}
-    for index in range(args.rounds):
-        for variant in VARIANTS if index % 2 == 0 else VARIANTS[::-1]:
-            fresh_device()
-            fit = measure(variant, args.steps, args.timed)
-            fits[variant].append(fit)
-            print(f"[{index + 1}] {variant:>27}: {fit['median_ms']:8.3f} ms/step {fit['optimizer_graph'] or ''}")
-    median = {variant: statistics.median(fit["median_ms"] for fit in fits[variant]) for variant in VARIANTS}
+    fits = in_turns(
+        VARIANTS,
+        args.rounds,
+        lambda variant: measure(variant, args.steps, args.timed),
+        lambda index, fit: (
+            f"[{index}] {fit['variant']:>27}: {fit['median_ms']:8.3f} ms/step {fit['optimizer_graph'] or ''}"
+        ),
+    )
+    median = median_of_rounds(fits)
     per_round = [
         without["median_ms"] / with_["median_ms"]
         for without, with_ in zip(fits["layer"], fits["layer+optimizer_graph"], strict=True)
@@ -119,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     speedup = median["layer"] / median["layer+optimizer_graph"]
     first = {variant: fits[variant][0] for variant in VARIANTS}
     record = {
+        "kind": "optimizer_graph",
         "model": MODEL,
         "precision": PRECISION,
         "steps": args.steps,
@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "environment": records.environment(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "optimizer_graph.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    records.write(record, args.out / "optimizer_graph.json")
     for variant in VARIANTS:
         rounds = ", ".join(f"{ms:.3f}" for ms in record["round_ms"][variant])
         print(f"{variant:>22}: median {median[variant]:.3f} ms/step (rounds {rounds})")

@@ -41,10 +41,12 @@ LABELS = {
     "layer": '`scope=["layer"]`',
     "layer+compile": '`scope=["layer"]` + `compile=True`',
     "layer-strategy": '`CUDAGraphStrategy(scope=["layer"])` (with the optimizer graph)',
+    "layer-strategy+compile": '`CUDAGraphStrategy(scope=["layer"], compile=True)` (with the optimizer graph)',
     "full_iteration": '`strategy="cudagraph_full"`',
     "full_iteration+compile": '`strategy="cudagraph_full"` + `compile=True`',
     "auto-callback": "`CUDAGraphCallback()` (auto)",
     "auto-strategy": '`strategy="cudagraph"` (auto)',
+    "auto": '`strategy="cudagraph"` (auto)',
     "handwritten_layer": "hand-written `make_graphed_callables` on the blocks, in Lightning",
     "pytorch_eager": "plain PyTorch loop, eager",
     "pytorch_block_graphs": "hand-written per-block graphs, plain PyTorch loop",
@@ -261,9 +263,11 @@ def compile_section(record: dict[str, Any], chart: str | None) -> str:
         peers = ("full_iteration", "compile_reduce_overhead", "thunder")
         rows.append([
             f"{model} GPT", *(compile_ratio(found.get(("full_iteration+compile", peer))) for peer in peers),
-            compile_ratio(found.get(("layer+compile", "layer"))), num(compiled.get("compile_s"), 1),
+            compile_ratio(found.get(("layer+compile", "layer"))),
+            compile_ratio(found.get(("layer-strategy+compile", "layer-strategy"))), num(compiled.get("compile_s"), 1),
         ])  # fmt: skip
-    head = ["model", "vs `cudagraph_full`", "vs reduce-overhead", "vs Thunder", "`layer` + compile vs `layer`"]
+    head = ["model", "vs `cudagraph_full`", "vs reduce-overhead", "vs Thunder", "`layer` + compile vs `layer`",
+            "the same through the strategy"]  # fmt: skip
     intro = (
         "Speed ratios of `cudagraph_full` + `compile=True` (and `layer` + `compile=True`), each variant at its fastest"
         f" of {record['rounds']} alternated fits, median over the last {record['timed']} of {record['steps']} steps;"
@@ -271,7 +275,7 @@ def compile_section(record: dict[str, Any], chart: str | None) -> str:
         " they are.\n\n"
     )
     details = "".join(f"\n#### {m} GPT\n\n" + variants_table(got["results"]) for m, got in record["models"].items())
-    body = intro + table([*head, "compile s"], rows, "lrrrrr") + "\n"
+    body = intro + table([*head, "compile s"], rows, "lrrrrrr") + "\n"
     body += chart_line(f"ms per step, {record['precision']}", chart) + details
     return f"### {precision(record)}\n\n{body}{env_line(record)}"
 
@@ -386,6 +390,78 @@ def cnn_section(record: dict[str, Any]) -> str:
     return f"{batch}.\n\n{table(head, rows, 'lllrr')}\nParity, eager against `auto` (deterministic cuDNN):\n\n{parity}"
 
 
+def optimizer_graph_section(record: dict[str, Any]) -> str:
+    """``benchmarks/optimizer_graph.py``: a scoped step with its optimizer update as a graph of its own, and without."""
+    names = {"layer": "`optimizer_graph=False`", "layer+optimizer_graph": "the optimizer graph (the default)"}
+    head = ["variant", "ms per step (median of rounds)", "rounds"]
+    rows = [
+        [names.get(v, label(v)), num(median, 3), " / ".join(num(r, 3) for r in record["round_ms"][v])]
+        for v, median in record["median_ms"].items()
+    ]
+    same, default = record["parity_same_arithmetic"], record["parity_default_optimizer"]
+    parity = "".join(
+        f"- eager against {names.get(v, v)}, the AdamW a user writes: largest loss difference"
+        f" {num(f['max_loss_diff'], None)}, largest relative parameter difference"
+        f" {num(f['max_rel_param_diff'], None)} ({f['worst_param']})\n"
+        for v, f in default.items()
+    )
+    return (
+        f'The {record["model"]} GPT, {record["precision"]}, `scope=["layer"]` through `CUDAGraphStrategy`,'
+        f" {record['rounds']} alternated rounds. Eager Lightning: {num(record['eager_ms'], 3)} ms per step.\n\n"
+        + table(head, rows, "lrl")
+        + f"\nThe optimizer graph: **{times(record['speedup'], 3)}** per step (goal {times(record['goal'])}; per round"
+        f" {', '.join(times(r, 3) for r in record['speedup_per_round'])}).\n\n"
+        f"Parity over {record['steps']} steps, fused AdamW with a learning rate a float32 tensor holds exactly (the"
+        f" same arithmetic): largest loss difference {num(same['max_loss_diff'], None)}, largest relative parameter"
+        f" difference {num(same['max_rel_param_diff'], None)}. With the AdamW a user writes (the `foreach` form), the"
+        " graph's fused form rounds differently, and Adam turns that rounding of a gradient that is zero in exact"
+        f" arithmetic (the key bias of attention) into steps of the learning rate:\n\n{parity}\n{env_line(record)}"
+    )
+
+
+def host_read_section(record: dict[str, Any]) -> str:
+    """``benchmarks/host_read.py``: steps no whole-step graph can hold, ``strategy="cudagraph"`` against the rest."""
+    titles = {"item": "`training_step` reads `loss.item()`", "mask": "the loss keeps labels `>= 0` by boolean indexing"}
+    names = {"layer": '`CUDAGraphCallback(scope=["layer"])`'}
+    head = ["variant", "level", "ms per step (median of rounds)", "vs eager", "rounds", "loss difference"]
+    parts = [
+        f"The {record['model']} GPT, fp32, {record['rounds']} alternated rounds, median over the last"
+        f" {record['timed']} of {record['steps']} steps; the loss difference is the largest per step against eager.\n"
+    ]
+    for kind, got in record["cases"].items():
+        rows = [
+            [names.get(v, label(v)), f"`{level}`" if (level := got["report"][v]["level"]) else "",
+             num(got["median_ms"][v], 3), times(got["vs_eager"][v]), " / ".join(num(r, 2) for r in got["round_ms"][v]),
+             num(got["max_loss_diff"][v], None)]
+            for v in got["median_ms"]
+        ]  # fmt: skip
+        parts.append(
+            f'### {titles.get(kind, kind)}\n\n{table(head, rows, "llrrlr")}\n`strategy="cudagraph"`:'
+            f" {times(got['auto_vs_layer'], 3)} the callback's `layer` (goal {times(record['goal'])}),"
+            f" {times(got['auto_vs_layer_strategy'], 3)} `layer` through the strategy.\n"
+        )
+    return "\n".join(parts) + "\n" + env_line(record)
+
+
+def scoped_compile_section(record: dict[str, Any]) -> str:
+    """``benchmarks/scoped_compile.py``: ``compile=True`` on ``layer`` through the strategy, per model."""
+    head = ["model", "`compile=False` ms", "`compile=True` ms", "compile speedup", "per round"]
+    rows = [
+        [f"{model} GPT", *(num(got["median_ms"][v], 3) for v in got["median_ms"]),
+         f"**{times(got['speedup'], 3)}**" if got["speedup"] >= record["goal"] else times(got["speedup"], 3),
+         ", ".join(times(r, 3) for r in got["speedup_per_round"])]
+        for model, got in record["models"].items()
+    ]  # fmt: skip
+    intro = (
+        f'`CUDAGraphStrategy(scope=["layer"])` with the optimizer graph, {record["precision"]}, {record["rounds"]}'
+        f" alternated rounds with nothing else in the process, median over the last {record['timed']} of"
+        f" {record['steps']} steps; bold: at least {times(record['goal'])} (the goal). A model whose kernels outlast"
+        " the host's work per step shows the compiled kernels; a host-paced one does not. `benchmarks/compile.py`"
+        " times the same pair among ten variants in one process, where host-paced fits scatter more.\n\n"
+    )
+    return intro + table(head, rows, "lrrrl") + "\n" + env_line(record)
+
+
 # ---------------------------------------------------------------------------------------------------- charts
 def _pyplot() -> Any:
     import matplotlib
@@ -481,6 +557,11 @@ SECTIONS: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
     "accumulation": ("Gradient accumulation inside the whole step", "benchmarks/accumulation.py",
                      accumulation_section),
     "cnn": ("torchvision CNNs through `CUDAGraphCallback()`", "benchmarks/cnn.py", cnn_section),
+    "optimizer_graph": ("The optimizer step as a graph under scoped capture", "benchmarks/optimizer_graph.py",
+                        optimizer_graph_section),
+    "host_read": ("Steps that no whole-step graph can hold", "benchmarks/host_read.py", host_read_section),
+    "scoped_compile": ("Compiled kernels inside scoped graphs, once the GPU paces the step",
+                       "benchmarks/scoped_compile.py", scoped_compile_section),
 }  # fmt: skip
 
 

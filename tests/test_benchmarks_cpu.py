@@ -8,7 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import audit_cost, auto, compile, hf, logging_cost, report, run, shapes
+from benchmarks import (
+    audit_cost,
+    auto,
+    compile,
+    hf,
+    host_read,
+    logging_cost,
+    optimizer_graph,
+    report,
+    run,
+    scoped_compile,
+    shapes,
+)
 from benchmarks.core import figures, records, timing
 from benchmarks.core.kernels import kernel_class, kernel_summary
 from benchmarks.core.models import CONFIGS, KNOWN_VARIANTS, SCOPES, train
@@ -64,6 +76,21 @@ def test_variants_alternate_round_by_round_and_each_counts_its_fastest():
     assert [(r["median_ms"], r["round_ms"]) for r in got] == [(4.0, [5.0, 4.0]), (8.0, [9.0, 8.0])]
     assert [r["compile_s"] for r in got] == [1, 2], "compile times come from the first, cold, round"
     assert len(lines) == 4 and "[2]" in lines[2]
+
+
+def test_in_turns_reverses_the_order_every_other_round_and_takes_the_median_of_rounds(capsys):
+    order = []
+    times = iter([5.0, 9.0, 8.0, 4.0, 6.0, 7.0])
+
+    def measure(variant: str) -> dict:
+        order.append(variant)
+        return {"variant": variant, "median_ms": next(times)}
+
+    fits = timing.in_turns(["a", "b"], 3, measure, lambda index, fit: f"[{index}] {fit['variant']}")
+    assert order == ["a", "b", "b", "a", "a", "b"], "neither variant always goes first"
+    assert {v: [f["median_ms"] for f in got] for v, got in fits.items()} == {"a": [5.0, 4.0, 6.0], "b": [9.0, 8.0, 7.0]}
+    assert timing.median_of_rounds(fits) == {"a": 5.0, "b": 8.0}
+    assert capsys.readouterr().out.splitlines() == ["[1] a", "[1] b", "[2] b", "[2] a", "[3] a", "[3] b"]
 
 
 def test_a_failing_variant_is_noted_and_the_others_still_measured():
@@ -160,6 +187,8 @@ def test_run_refuses_bad_arguments(argv, message, capsys):
         (compile, ["--out", "x", "--rounds", "0"], "--rounds must be"),
         (hf, ["--out", "x", "--skip", "100"], "--skip must be"),
         (logging_cost, ["--out", "x", "--timed", "200"], "--timed must be"),
+        (scoped_compile, ["--out", "x", "--models", "medium,huge"], "unknown huge"),
+        (host_read, ["--out", "x", "--timed", "200"], "--timed must be"),
     ],
 )
 def test_the_other_scripts_refuse_bad_arguments(module, argv, message, capsys):
@@ -168,7 +197,10 @@ def test_the_other_scripts_refuse_bad_arguments(module, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", [run, auto, compile, hf, logging_cost, shapes, audit_cost, zoo])
+@pytest.mark.parametrize(
+    "module",
+    [run, auto, compile, hf, logging_cost, shapes, audit_cost, zoo, optimizer_graph, host_read, scoped_compile],
+)
 def test_each_gpu_script_says_it_needs_cuda_and_exits_2(module, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     argv = [] if module in (run, zoo) else ["--out", str(tmp_path)]
@@ -254,8 +286,13 @@ def test_the_report_without_json_says_so(tmp_path, capsys):
 def test_the_committed_results_give_every_docs_section(tmp_path):
     text, drawn = report.render(report.load(report.RESULTS), report.RESULTS, None, tmp_path / "benchmarks.md")
     headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings[0] == "## README table" and len(headings) == 12, headings
+    assert headings[0] == "## README table" and len(headings) == 15, headings
     assert "## Gradient accumulation inside the whole step" in headings
+    reads = json.loads((report.RESULTS / "host_read" / "host_read.json").read_text())["cases"]["item"]["median_ms"]
+    assert f"{reads['layer'] / reads['auto']:.3f}x the callback's `layer`" in text
+    scoped = json.loads((report.RESULTS / "scoped_compile" / "scoped_compile.json").read_text())["models"]["medium"]
+    plain, compiled = scoped["median_ms"].values()
+    assert f"| medium GPT | {plain:.3f} | {compiled:.3f} |" in text
     zoo = json.loads((report.RESULTS / "zoo" / "zoo.json").read_text())
     runs = [run for entry in zoo["entries"] for run in entry["runs"]]
     ok = sum(run["class"] == "graphs-ok" for run in runs)

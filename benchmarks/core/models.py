@@ -42,7 +42,7 @@ SCOPES = {
 }
 PYTORCH_VARIANTS = ("pytorch_eager", "pytorch_block_graphs", "pytorch_full_graph")
 TE_VARIANTS = ("te_eager", "te_layer")
-OTHER_VARIANTS = ("eager", "full_iteration", "auto-callback", "auto-strategy", "handwritten_layer")
+OTHER_VARIANTS = ("eager", "full_iteration", "layer-strategy", "auto-callback", "auto-strategy", "handwritten_layer")
 COMPILE_VARIANTS = ("compile_default", "compile_reduce_overhead")
 KNOWN_VARIANTS = (*OTHER_VARIANTS, *SCOPES, *PYTORCH_VARIANTS, *TE_VARIANTS, *COMPILE_VARIANTS)
 TE_SKIPPED = "skipped: Transformer Engine not installed"
@@ -109,7 +109,7 @@ def setup(variant: str) -> tuple[dict[str, Any] | None, Any]:
     """
     base, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
     extra: dict[str, Any] = {"compile": True} if compiled else {}
-    if compiled and base not in SCOPES and base != "full_iteration":
+    if compiled and base not in SCOPES and base not in ("full_iteration", "layer-strategy"):
         raise ValueError(f"{variant!r}: only a fixed scope or the whole step takes +compile")
     if base in ("eager", "te_eager", "handwritten_layer", *COMPILE_VARIANTS):
         return None, "auto"
@@ -119,6 +119,8 @@ def setup(variant: str) -> tuple[dict[str, Any] | None, Any]:
         return {"impl": "transformer_engine", "scope": ["layer"], "warmup_steps": WARMUP_STEPS}, "auto"
     if base == "full_iteration":
         return None, CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=WARMUP_STEPS, **extra)
+    if base == "layer-strategy":
+        return None, CUDAGraphStrategy(scope=["layer"], warmup_steps=WARMUP_STEPS, **extra)
     if base == "auto-callback":
         return {}, "auto"
     if base == "auto-strategy":

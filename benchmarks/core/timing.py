@@ -143,6 +143,37 @@ def alternate(
     return [fastest_round(fits[variant], cold) for variant in variants]
 
 
+def in_turns(
+    variants: Sequence[str],
+    rounds: int,
+    measure: Callable[[str], dict[str, Any]],
+    say: Callable[[int, dict[str, Any]], str],
+) -> dict[str, list[dict[str, Any]]]:
+    """Measure every variant ``rounds`` times, the order reversed every other round (neither always goes first).
+
+    Args:
+        variants: The variants, in the order of the first round.
+        rounds: How many rounds.
+        measure: Trains one variant once; returns its figures, ``median_ms`` among them.
+        say: The progress line of a fit, from its round (counted from 1) and its figures.
+
+    Returns:
+        Per variant, every round's figures, in round order.
+    """
+    fits: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
+    for index in range(rounds):
+        for variant in variants if index % 2 == 0 else variants[::-1]:
+            fresh_device()
+            fits[variant].append(measure(variant))
+            print(say(index + 1, fits[variant][-1]))
+    return fits
+
+
+def median_of_rounds(fits: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """Per variant, the median of its rounds' median step times."""
+    return {variant: statistics.median(fit["median_ms"] for fit in got) for variant, got in fits.items()}
+
+
 def progress_line(fit: dict[str, Any], round_index: int = 0) -> str:
     """One line per fit as it finishes: ms/step, the package's stage and level, why graphs are off."""
     report = fit.get("report") or {}
