@@ -223,39 +223,49 @@ def fit_once(shape: str, variant: str, device: str, steps: int, skip: int) -> di
 GPT_LAYERS = {"gpt4": 4, "gpt8": 8, "gpt16": 16}
 
 
-def versus_handwritten(rounds: int, steps: int, skip: int) -> None:
+def versus_handwritten(rounds: int, steps: int, skip: int) -> dict[str, Any]:
     """``scope=["layer"]`` against a hand-written per-layer ``make_graphed_callables`` in Lightning, on the GPU.
 
-    Each round fits both on each shape (alternated); a round's ratio is its two medians' (CUDA-event step times).
+    Each round fits both on each shape, the order reversed every other round; a round's ratio is its two medians'
+    (CUDA-event step times). Returns the record :func:`main` writes with ``--out``: per shape, every round's figures.
     """
     from benchmarks.core import models
+    from benchmarks.core.figures import finite
     from benchmarks.core.timing import fresh_device
 
     for name, layers in GPT_LAYERS.items():
         models.CONFIGS[name] = {**models.CONFIGS["small"], "n_layer": layers}
     print("| shape | layer ms | handwritten ms | ratio (median) | rounds | capture ms (layer, hand) | stage |")
     print("|---|---|---|---|---|---|---|")
+    variants = ("layer", "handwritten_layer")
+    shapes: dict[str, dict[str, Any]] = {}
     for name in GPT_LAYERS:
-        ratios, ms, captures = [], {"layer": [], "handwritten_layer": []}, {"layer": [], "handwritten_layer": []}
+        ms: dict[str, list[float]] = {variant: [] for variant in variants}
+        captures: dict[str, list[float]] = {variant: [] for variant in variants}
         stages: set[str] = set()
-        for _ in range(rounds):
-            round_ms = {}
-            for variant in ("layer", "handwritten_layer"):
+        for index in range(rounds):
+            for variant in variants if index % 2 == 0 else variants[::-1]:
                 fresh_device()
                 fit = models.train(name, variant, "32-true", steps, skip)
-                round_ms[variant] = fit["median_ms"]
                 if variant == "layer":
                     stages.add((fit["report"] or {}).get("stage", "?"))
                 ms[variant].append(fit["median_ms"])
                 captures[variant].append(fit["capture_ms"] or float("nan"))
-            ratios.append(round_ms["layer"] / round_ms["handwritten_layer"])
-        cells = " ".join(f"{r:.3f}" for r in ratios)
-        capture = f"{statistics.median(captures['layer']):.0f}, {statistics.median(captures['handwritten_layer']):.0f}"
+        ratios = [layer / hand for layer, hand in zip(*ms.values(), strict=True)]
+        shapes[name] = {
+            "layers": GPT_LAYERS[name], "ratio": statistics.median(ratios), "ratios": ratios, "round_ms": ms,
+            "median_ms": {variant: statistics.median(ms[variant]) for variant in variants},
+            "capture_ms": {variant: finite(statistics.median(captures[variant])) for variant in variants},
+            "stages": sorted(stages),
+        }  # fmt: skip
+        got = shapes[name]
         print(
-            f"| {name} | {statistics.median(ms['layer']):.3f} | {statistics.median(ms['handwritten_layer']):.3f} |"
-            f" {statistics.median(ratios):.3f}x | {cells} | {capture} | {', '.join(sorted(stages))} |",
+            f"| {name} | {got['median_ms']['layer']:.3f} | {got['median_ms']['handwritten_layer']:.3f} |"
+            f" {got['ratio']:.3f}x | {' '.join(f'{r:.3f}' for r in ratios)} |"
+            f" {got['capture_ms']['layer']}, {got['capture_ms']['handwritten_layer']} | {', '.join(stages)} |",
             flush=True,
         )
+    return {"kind": "handwritten", "steps": steps, "timed": steps - skip, "rounds": rounds, "shapes": shapes}
 
 
 def capture_times(rounds: int, steps: int) -> None:
@@ -319,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--skip", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="--handwritten: write handwritten.json into this directory")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("host_cost.py --device cuda needs CUDA")
@@ -333,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
             print("--handwritten and --capture need CUDA")
             return 2
         if args.handwritten:
-            versus_handwritten(args.rounds, args.steps, args.skip)
+            record = versus_handwritten(args.rounds, args.steps, args.skip)
+            if args.out is not None:
+                from benchmarks.core import records
+
+                record["environment"] = records.environment()
+                print(f"wrote {records.write(record, args.out / 'handwritten.json')}")
         if args.capture:
             capture_times(args.rounds, min(args.steps, 40))
         return 0
