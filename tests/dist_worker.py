@@ -240,6 +240,18 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
     }
 
 
+def shut_down() -> None:
+    """Destroy the process group before the interpreter exits.
+
+    Left to interpreter finalization, gloo's worker threads can abort the process ("terminate called without an
+    active exception", SIGABRT) after the fit has finished and its report is written.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse ``--case`` and ``--out``, fit, and write ``OUT/rank{r}.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -250,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run_case(args.case, rank)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    shut_down()
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ STEPS, WARMUP, NAN_STEP = 6, 2, 1
 def run_rank(out: Path) -> None:
     """Fit on this rank and write what its rollout decided."""
     from lightning_cudagraph import DDPCUDAGraphStrategy
-    from tests.dist_worker import COLLECTIVE_TIMEOUT, fingerprint, report_fields
+    from tests.dist_worker import COLLECTIVE_TIMEOUT, fingerprint, report_fields, shut_down
     from tests.fake_backend import FakeBackend
     from tests.helpers import LossRecorder, graph_callback, trainer
     from tests.models import TINY, TINY_DATA, DecoderModule, decoder
@@ -75,6 +75,7 @@ def run_rank(out: Path) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{run.global_rank}.json").write_text(json.dumps(report, indent=1))
+    shut_down()
 
 
 # =================================================================== the test
