@@ -231,39 +231,36 @@ def versus_handwritten(rounds: int, steps: int, skip: int) -> dict[str, Any]:
     """
     from benchmarks.core import models
     from benchmarks.core.figures import finite
-    from benchmarks.core.timing import fresh_device
+    from benchmarks.core.timing import in_turns, median_of_rounds
 
     for name, layers in GPT_LAYERS.items():
         models.CONFIGS[name] = {**models.CONFIGS["small"], "n_layer": layers}
-    print("| shape | layer ms | handwritten ms | ratio (median) | rounds | capture ms (layer, hand) | stage |")
-    print("|---|---|---|---|---|---|---|")
     variants = ("layer", "handwritten_layer")
     shapes: dict[str, dict[str, Any]] = {}
     for name in GPT_LAYERS:
-        ms: dict[str, list[float]] = {variant: [] for variant in variants}
-        captures: dict[str, list[float]] = {variant: [] for variant in variants}
-        stages: set[str] = set()
-        for index in range(rounds):
-            for variant in variants if index % 2 == 0 else variants[::-1]:
-                fresh_device()
-                fit = models.train(name, variant, "32-true", steps, skip)
-                if variant == "layer":
-                    stages.add((fit["report"] or {}).get("stage", "?"))
-                ms[variant].append(fit["median_ms"])
-                captures[variant].append(fit["capture_ms"] or float("nan"))
+        fits = in_turns(
+            variants,
+            rounds,
+            lambda variant, name=name: models.train(name, variant, "32-true", steps, skip),
+            lambda index, fit, name=name: f"[{name} {index}] {fit['variant']}: {fit['median_ms']:.3f} ms/step",
+        )
+        ms = {variant: [fit["median_ms"] for fit in got] for variant, got in fits.items()}
+        captures = {variant: [fit["capture_ms"] or float("nan") for fit in got] for variant, got in fits.items()}
+        stages = {(fit["report"] or {}).get("stage", "?") for fit in fits["layer"]}
         ratios = [layer / hand for layer, hand in zip(*ms.values(), strict=True)]
         shapes[name] = {
             "layers": GPT_LAYERS[name], "ratio": statistics.median(ratios), "ratios": ratios, "round_ms": ms,
-            "median_ms": {variant: statistics.median(ms[variant]) for variant in variants},
+            "median_ms": median_of_rounds(fits),
             "capture_ms": {variant: finite(statistics.median(captures[variant])) for variant in variants},
             "stages": sorted(stages),
         }  # fmt: skip
-        got = shapes[name]
+    print("| shape | layer ms | handwritten ms | ratio (median) | rounds | capture ms (layer, hand) | stage |")
+    print("|---|---|---|---|---|---|---|")
+    for name, got in shapes.items():
         print(
             f"| {name} | {got['median_ms']['layer']:.3f} | {got['median_ms']['handwritten_layer']:.3f} |"
-            f" {got['ratio']:.3f}x | {' '.join(f'{r:.3f}' for r in ratios)} |"
-            f" {got['capture_ms']['layer']}, {got['capture_ms']['handwritten_layer']} | {', '.join(stages)} |",
-            flush=True,
+            f" {got['ratio']:.3f}x | {' '.join(f'{r:.3f}' for r in got['ratios'])} |"
+            f" {got['capture_ms']['layer']}, {got['capture_ms']['handwritten_layer']} | {', '.join(got['stages'])} |"
         )
     return {"kind": "handwritten", "steps": steps, "timed": steps - skip, "rounds": rounds, "shapes": shapes}
 
