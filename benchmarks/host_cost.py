@@ -221,13 +221,18 @@ def fit_once(shape: str, variant: str, device: str, steps: int, skip: int) -> di
 
 #: The GPT of ``examples/gpt.py`` at the small size (width 256, 4 heads, seq 128, batch 8) with 4, 8 and 16 layers.
 GPT_LAYERS = {"gpt4": 4, "gpt8": 8, "gpt16": 16}
+#: The package's ``scope=["layer"]`` through the callback and through the strategy, and the hand-written capture.
+PACKAGE_LAYER, HANDWRITTEN = ("layer", "layer-strategy"), "handwritten_layer"
 
 
 def versus_handwritten(rounds: int, steps: int, skip: int) -> dict[str, Any]:
     """``scope=["layer"]`` against a hand-written per-layer ``make_graphed_callables`` in Lightning, on the GPU.
 
-    Each round fits both on each shape, the order reversed every other round; a round's ratio is its two medians'
-    (CUDA-event step times). Returns the record :func:`main` writes with ``--out``: per shape, every round's figures.
+    ``layer`` is ``CUDAGraphCallback(scope=["layer"])``: the same graphs as the hand-written capture, the optimizer
+    step eager. ``layer-strategy`` is ``CUDAGraphStrategy(scope=["layer"])``, which also replays the optimizer step
+    as a graph. Each round fits all three on each shape, the order reversed every other round; a round's ratio is a
+    package variant's median over the hand-written one's (CUDA-event step times). Returns the record :func:`main`
+    writes with ``--out``: per shape, every round's figures.
     """
     from benchmarks.core import models
     from benchmarks.core.figures import finite
@@ -235,33 +240,35 @@ def versus_handwritten(rounds: int, steps: int, skip: int) -> dict[str, Any]:
 
     for name, layers in GPT_LAYERS.items():
         models.CONFIGS[name] = {**models.CONFIGS["small"], "n_layer": layers}
-    variants = ("layer", "handwritten_layer")
     shapes: dict[str, dict[str, Any]] = {}
     for name in GPT_LAYERS:
         fits = in_turns(
-            variants,
+            (*PACKAGE_LAYER, HANDWRITTEN),
             rounds,
             lambda variant, name=name: models.train(name, variant, "32-true", steps, skip),
             lambda index, fit, name=name: f"[{name} {index}] {fit['variant']}: {fit['median_ms']:.3f} ms/step",
         )
         ms = {variant: [fit["median_ms"] for fit in got] for variant, got in fits.items()}
         captures = {variant: [fit["capture_ms"] or float("nan") for fit in got] for variant, got in fits.items()}
-        stages = {(fit["report"] or {}).get("stage", "?") for fit in fits["layer"]}
-        ratios = [layer / hand for layer, hand in zip(*ms.values(), strict=True)]
+        ratios = {
+            variant: [ours / hand for ours, hand in zip(ms[variant], ms[HANDWRITTEN], strict=True)]
+            for variant in PACKAGE_LAYER
+        }
         shapes[name] = {
-            "layers": GPT_LAYERS[name], "ratio": statistics.median(ratios), "ratios": ratios, "round_ms": ms,
-            "median_ms": median_of_rounds(fits),
-            "capture_ms": {variant: finite(statistics.median(captures[variant])) for variant in variants},
-            "stages": sorted(stages),
+            "layers": GPT_LAYERS[name], "round_ms": ms, "median_ms": median_of_rounds(fits),
+            "ratio": {variant: statistics.median(got) for variant, got in ratios.items()}, "ratios": ratios,
+            "capture_ms": {variant: finite(statistics.median(got)) for variant, got in captures.items()},
+            "stages": sorted({(fit["report"] or {}).get("stage", "?") for v in PACKAGE_LAYER for fit in fits[v]}),
         }  # fmt: skip
-    print("| shape | layer ms | handwritten ms | ratio (median) | rounds | capture ms (layer, hand) | stage |")
+    print("| shape | variant | ms | handwritten ms | ratio (median) | rounds | capture ms (package, hand) |")
     print("|---|---|---|---|---|---|---|")
     for name, got in shapes.items():
-        print(
-            f"| {name} | {got['median_ms']['layer']:.3f} | {got['median_ms']['handwritten_layer']:.3f} |"
-            f" {got['ratio']:.3f}x | {' '.join(f'{r:.3f}' for r in got['ratios'])} |"
-            f" {got['capture_ms']['layer']}, {got['capture_ms']['handwritten_layer']} | {', '.join(got['stages'])} |"
-        )
+        for variant in PACKAGE_LAYER:
+            print(
+                f"| {name} | {variant} | {got['median_ms'][variant]:.3f} | {got['median_ms'][HANDWRITTEN]:.3f} |"
+                f" {got['ratio'][variant]:.3f}x | {' '.join(f'{r:.3f}' for r in got['ratios'][variant])} |"
+                f" {got['capture_ms'][variant]}, {got['capture_ms'][HANDWRITTEN]} |"
+            )
     return {"kind": "handwritten", "steps": steps, "timed": steps - skip, "rounds": rounds, "shapes": shapes}
 
 

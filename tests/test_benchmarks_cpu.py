@@ -293,6 +293,9 @@ def test_the_committed_results_give_every_docs_section(tmp_path):
     scoped = json.loads((report.RESULTS / "scoped_compile" / "scoped_compile.json").read_text())["models"]["medium"]
     plain, compiled = scoped["median_ms"].values()
     assert f"| medium GPT | {plain:.3f} | {compiled:.3f} |" in text
+    hand = json.loads((report.RESULTS / "handwritten" / "handwritten.json").read_text())["shapes"]["gpt8"]
+    assert f"| GPT, 8 layers | `CUDAGraphStrategy` | {hand['median_ms']['layer-strategy']:.3f} |" in text
+    assert f"{hand['ratio']['layer']:.3f}x" in text
     zoo = json.loads((report.RESULTS / "zoo" / "zoo.json").read_text())
     runs = [run for entry in zoo["entries"] for run in entry["runs"]]
     ok = sum(run["class"] == "graphs-ok" for run in runs)
