@@ -187,18 +187,23 @@ class StageAtStart(pl.Callback):
         self.stage = graph_callback(trainer).report.stage
 
 
-def test_confirming_steps_do_not_count_towards_a_levels_time():
+@pytest.mark.parametrize("confirm_steps", [2, 2 + MEASURE_STEPS])
+def test_confirming_steps_do_not_count_towards_a_levels_time(confirm_steps):
     # A confirming step also runs the parity checks' eager forwards (and the first replays upload the graphs): on a
     # GPU it is slower than the level's steady state; here it takes far longer, and must not move the level's time.
+    # With more confirming steps than a level times, a level's median would be a confirming step's time.
     probe = StageAtStart()
     clock = timed_by_level({**LEVEL_MS, "model": NOT_FASTER})
     backend = FakeBackend(step_ms=lambda b: 100.0 if probe.stage == Stage.CONFIRMING else clock(b))
-    callback = auto_callback(backend)
-    fit(*decoder(TINY), STEPS, [callback, probe], **CPU)
+    callback = auto_callback(backend, confirm_steps=confirm_steps)
+    fit(*decoder(TINY), STEPS + 5 * confirm_steps, [callback, probe], **CPU)
 
     report = callback.report
     assert [report.ladder[i].step_ms for i in (0, 2)] == [LEVEL_MS["attn"], LEVEL_MS["layer"]]
     assert report.level == "layer"
+    # Each timed level spent its capture step, its confirming steps, then the steps it timed.
+    timed_levels = [row for row in report.ladder if row.status in ("kept", "slower")]
+    assert all(row.steps >= 1 + confirm_steps + MEASURE_STEPS for row in timed_levels), report.ladder
 
 
 class StagesAtEnd(pl.Callback):
