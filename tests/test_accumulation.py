@@ -201,3 +201,41 @@ def test_validation_between_windows_then_an_eager_micro_batch_keeps_the_window_r
     assert graph_callback(run).report.rollbacks == 0 and graph_callback(run).report.replays > 0
     assert_losses_close(eager_losses, losses, 1e-6)
     assert max_param_diff(eager_params, params) < 1e-5
+
+
+class _Writes:
+    """A stand-in for a CUDA graph whose replay writes the next value into a buffer (as a backward graph does)."""
+
+    def __init__(self, buffer: torch.Tensor, values: list[float]) -> None:
+        self.buffer, self.values = buffer, iter(values)
+
+    def replay(self) -> None:
+        self.buffer.fill_(next(self.values))
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_accumulated_parameter_gradients_survive_the_next_backward_replay(copies):
+    # Under accumulation a region's backward hands autograd copies of its gradient buffers: the first micro-batch's
+    # gradient is adopted as param.grad, and the next replay rewrites the buffer before autograd adds to it.
+    from lightning_cudagraph.graphs.local import GraphedRegion, _GraphedCall
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+    weight_grad = torch.zeros(3)
+    region = GraphedRegion(
+        name="block", module=torch.nn.Identity(), signature=None, params=(weight,),  # type: ignore[arg-type]
+        static_inputs=(torch.zeros(3),), static_outputs=(torch.zeros(3),), output_leaves=[None],
+        output_spec=None, output_positions=(0,), differentiable=(True,),  # type: ignore[arg-type]
+        static_grad_outputs=(torch.zeros(3),), static_grad_inputs=(torch.zeros(3), weight_grad),
+        fwd_graph=_Writes(torch.zeros(3), [0.0, 0.0]), bwd_graph=_Writes(weight_grad, [2.0, 5.0]),  # type: ignore[arg-type]
+        copy_param_grads=copies,
+    )  # fmt: skip
+    for _ in range(2):  # two micro-batches
+        (output,) = _GraphedCall.apply(region, torch.ones(3, requires_grad=True), weight)
+        output.sum().backward()
+
+    assert weight.grad is not None
+    if copies:
+        assert weight.grad.tolist() == [7.0] * 3, "the sum of both micro-batches' gradients"
+        assert weight.grad.data_ptr() != weight_grad.data_ptr()
+    else:  # what the copies prevent: the adopted buffer was rewritten, then added to itself
+        assert weight.grad.tolist() == [10.0] * 3
