@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/compile.py --out benchmarks/results/compile
     PYTHONPATH=. python benchmarks/compile.py --out DIR --models small --precisions bf16-mixed --rounds 1
 
-Variants, alternated round by round in one process (``torch.compiler.reset()`` before each): eager Lightning,
+Variants, alternated in turns in one process (``torch.compiler.reset()`` before each): eager Lightning,
 ``torch.compile(mode="reduce-overhead")``, the whole step, ``scope=["layer"]`` through the callback and through
 ``CUDAGraphStrategy`` (which replays the optimizer step as a graph too, so the host paces it less), each with and
 without ``compile=True``, the hand-written whole-step capture, and Thunder (``thunder.jit`` with ``CUDAGraphTransform``,

@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/host_cost.py --device cuda         # GPU: real graphs (CUDABackend)
     PYTHONPATH=. python benchmarks/host_cost.py --shapes gpt8,llama4 --steps 120 --rounds 3
 
-Three fits per model shape, alternated round by round: ``eager`` (no package), ``bare`` (the same backend captures
+Three fits per model shape, alternated in turns: ``eager`` (no package), ``bare`` (the same backend captures
 the layers once after warmup and each layer's ``forward`` becomes a direct call of its region: no routing, no
 checks) and ``package`` (``CUDAGraphCallback(scope=["layer"])``). On a CPU the regions are thin: a replay runs the
 module's original forward, so ``bare`` costs what eager costs plus one call, and ``package - bare`` is the

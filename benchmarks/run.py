@@ -1,4 +1,4 @@
-"""Measure every way of training the same GPT, in one process, variants alternated round by round.
+"""Measure every way of training the same GPT, in one process, variants alternated in turns.
 
     PYTHONPATH=. python benchmarks/run.py --config small                # one config and precision
     PYTHONPATH=. python benchmarks/run.py --sweep batch --config small  # batch sizes 1..256

@@ -117,10 +117,12 @@ def alternate(
     say: Callable[[str], None] = print,
     cold: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Measure every variant ``rounds`` times, round by round, so a stretch of slow host hits every variant alike.
+    """Measure every variant ``rounds`` times :func:`in_turns`, and keep each variant's fastest round.
+
+    A variant that raises is noted (its ``median_ms`` is ``None``) and the others are still measured.
 
     Args:
-        variants: The variants, in the order they run within a round.
+        variants: The variants, in the order of the first round.
         rounds: How many rounds.
         measure: Measures one variant once; returns its figures (``median_ms``, ``losses``, ...).
         say: Where the progress lines go.
@@ -129,17 +131,15 @@ def alternate(
     Returns:
         Per variant, its fastest round with every round's median (``round_ms``), in ``variants`` order.
     """
-    fits: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
-    for index in range(rounds):
-        for variant in variants:
+
+    def noted(variant: str) -> dict[str, Any]:
+        try:
+            return measure(variant)
+        except Exception as err:
             fresh_device()
-            try:
-                fit = measure(variant)
-            except Exception as err:
-                fresh_device()
-                fit = {"variant": variant, "median_ms": None, "note": failure_note(err)}
-            fits[variant].append(fit)
-            say(progress_line(fit, index))
+            return {"variant": variant, "median_ms": None, "note": failure_note(err)}
+
+    fits = in_turns(variants, rounds, noted, lambda index, fit: progress_line(fit, index - 1), say)
     return [fastest_round(fits[variant], cold) for variant in variants]
 
 
@@ -147,15 +147,19 @@ def in_turns(
     variants: Sequence[str],
     rounds: int,
     measure: Callable[[str], dict[str, Any]],
-    say: Callable[[int, dict[str, Any]], str],
+    line: Callable[[int, dict[str, Any]], str],
+    say: Callable[[str], None] = print,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Measure every variant ``rounds`` times, the order reversed every other round (neither always goes first).
+    """Measure every variant ``rounds`` times, round by round, the order reversed every other round.
+
+    Round by round, a slow stretch of the host hits every variant alike; reversed, neither always goes first.
 
     Args:
         variants: The variants, in the order of the first round.
         rounds: How many rounds.
         measure: Trains one variant once; returns its figures, ``median_ms`` among them.
-        say: The progress line of a fit, from its round (counted from 1) and its figures.
+        line: The progress line of a fit, from its round (counted from 1) and its figures.
+        say: Where the progress lines go.
 
     Returns:
         Per variant, every round's figures, in round order.
@@ -165,7 +169,7 @@ def in_turns(
         for variant in variants if index % 2 == 0 else variants[::-1]:
             fresh_device()
             fits[variant].append(measure(variant))
-            print(say(index + 1, fits[variant][-1]))
+            say(line(index + 1, fits[variant][-1]))
     return fits
 
 

@@ -21,7 +21,7 @@ from lightning_cudagraph.drivers.evidence import relative_error
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import EvaluationRecord
 
-__all__ = ["CaptureCost", "EvalFailure", "EvalGraphCache", "FailurePolicy", "parity_of"]
+__all__ = ["CaptureCost", "EvalFailure", "EvalGraphCache", "EvalGraphs", "FailurePolicy", "parity_of"]
 
 
 class Resettable(Protocol):
@@ -65,6 +65,27 @@ class FailurePolicy:
         if self.on_failure == "raise":
             raise EvalFailure(message) from error
         rank_zero_warn(message)
+
+
+class EvalGraphs:
+    """What both kinds of evaluation graphs hold: the backend, the loop's figures, the failure rule, the tolerance.
+
+    Args:
+        backend: Captures and replays (its pool is the training graphs' pool during a fit).
+        record: The evaluation figures of the report.
+        policy: What a failed capture or parity check does.
+        component: Named in messages.
+        tolerance: Largest relative difference between a graph and the eager result allowed.
+
+    Example:
+        >>> graphs = EvalGraphs(backend, record, policy, "CUDAGraphStrategy", 1e-4)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, backend: CaptureBackend, record: EvaluationRecord, policy: FailurePolicy, component: str, tolerance: float
+    ) -> None:
+        self.backend, self.record, self.policy = backend, record, policy
+        self.component, self.tolerance = component, tolerance
 
 
 def parity_of(reference: Sequence[Tensor], graphed: Sequence[Tensor]) -> float:

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, FailurePolicy, parity_of
+from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
 from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
 from lightning_cudagraph.health import EvaluationRecord
 from lightning_cudagraph.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
@@ -73,7 +73,7 @@ class RegionForward:
             self.module.__dict__.pop("forward", None)
 
 
-class EvalRegionGraphs:
+class EvalRegionGraphs(EvalGraphs):
     """Forward-only graphs of some regions during evaluation loops, in the backend's pool.
 
     Args:
@@ -99,8 +99,7 @@ class EvalRegionGraphs:
         tolerance: float,
         limit: int,
     ) -> None:
-        self.backend, self.record, self.policy = backend, record, policy
-        self.component, self.tolerance = component, tolerance
+        super().__init__(backend, record, policy, component, tolerance)
         # Every region holds up to ``limit`` signatures; the cache itself never evicts a region for another one.
         self.cache: EvalGraphCache[_RegionGraph] = EvalGraphCache(limit=1 << 30)
         self.limit = limit

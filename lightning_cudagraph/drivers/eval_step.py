@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_cudagraph._lightning import StepLogs
 from lightning_cudagraph.batches import BatchKey, batch_key, batch_tensors, copy_into, describe_batch_key, own_copy
-from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, FailurePolicy, parity_of
+from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
 from lightning_cudagraph.drivers.evidence import MetricUpdates
 from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
 from lightning_cudagraph.health import EvaluationRecord
@@ -70,7 +70,7 @@ class _Plan:
     logs: list[Any] = field(default_factory=list)
 
 
-class EvalStepGraphs:
+class EvalStepGraphs(EvalGraphs):
     """Forward-only graphs of whole evaluation steps, one per step hook and batch key, in the backend's pool.
 
     Args:
@@ -96,8 +96,7 @@ class EvalStepGraphs:
         tolerance: float,
         limit: int,
     ) -> None:
-        self.backend, self.record, self.policy = backend, record, policy
-        self.component, self.tolerance = component, tolerance
+        super().__init__(backend, record, policy, component, tolerance)
         self.cache: EvalGraphCache[EvalStep] = EvalGraphCache(limit)
         #: Why every step runs eagerly from now on (a metric updated inside the step), or ``None``.
         self.off: str | None = None
