@@ -236,7 +236,7 @@ def versus_handwritten(rounds: int, steps: int, skip: int) -> dict[str, Any]:
     """
     from benchmarks.core import models
     from benchmarks.core.figures import finite
-    from benchmarks.core.timing import in_turns, median_of_rounds
+    from benchmarks.core.timing import in_turns, median_of_rounds, ratio_per_round, round_ms
 
     for name, layers in GPT_LAYERS.items():
         models.CONFIGS[name] = {**models.CONFIGS["small"], "n_layer": layers}
@@ -248,14 +248,11 @@ def versus_handwritten(rounds: int, steps: int, skip: int) -> dict[str, Any]:
             lambda variant, name=name: models.train(name, variant, "32-true", steps, skip),
             lambda index, fit, name=name: f"[{name} {index}] {fit['variant']}: {fit['median_ms']:.3f} ms/step",
         )
-        ms = {variant: [fit["median_ms"] for fit in got] for variant, got in fits.items()}
         captures = {variant: [fit["capture_ms"] or float("nan") for fit in got] for variant, got in fits.items()}
-        ratios = {
-            variant: [ours / hand for ours, hand in zip(ms[variant], ms[HANDWRITTEN], strict=True)]
-            for variant in PACKAGE_LAYER
-        }
+        # Step time against the hand-written capture's (under 1: the package's step is shorter).
+        ratios = {variant: ratio_per_round(fits, variant, HANDWRITTEN) for variant in PACKAGE_LAYER}
         shapes[name] = {
-            "layers": GPT_LAYERS[name], "round_ms": ms, "median_ms": median_of_rounds(fits),
+            "layers": GPT_LAYERS[name], "round_ms": round_ms(fits), "median_ms": median_of_rounds(fits),
             "ratio": {variant: statistics.median(got) for variant, got in ratios.items()}, "ratios": ratios,
             "capture_ms": {variant: finite(statistics.median(got)) for variant, got in captures.items()},
             "stages": sorted({(fit["report"] or {}).get("stage", "?") for v in PACKAGE_LAYER for fit in fits[v]}),

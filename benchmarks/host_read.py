@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from benchmarks.core import records
 from benchmarks.core.figures import spread
 from benchmarks.core.models import WARMUP_STEPS, build, graph_callback
-from benchmarks.core.timing import StepClock, in_turns, median_of_rounds, timing_trainer
+from benchmarks.core.timing import StepClock, in_turns, median_of_rounds, round_ms, timing_trainer
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
 
 KINDS = ("item", "mask")
@@ -109,7 +109,7 @@ def case(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     eager_losses = fits["eager"][0]["losses"]
     return {
         "median_ms": median,
-        "round_ms": {variant: [fit["median_ms"] for fit in fits[variant]] for variant in VARIANTS},
+        "round_ms": round_ms(fits),
         "vs_eager": {variant: median["eager"] / median[variant] for variant in VARIANTS},
         "auto_vs_layer": median["layer"] / median["auto"],
         "auto_vs_layer_strategy": median["layer-strategy"] / median["auto"],

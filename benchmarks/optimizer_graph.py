@@ -31,7 +31,15 @@ import torch
 from benchmarks.core import records
 from benchmarks.core.figures import finite, spread
 from benchmarks.core.models import WARMUP_STEPS, build, config_of, graph_callback, model_args
-from benchmarks.core.timing import StepClock, fresh_device, in_turns, median_of_rounds, timing_trainer
+from benchmarks.core.timing import (
+    StepClock,
+    fresh_device,
+    in_turns,
+    median_of_rounds,
+    ratio_per_round,
+    round_ms,
+    timing_trainer,
+)
 from lightning_cudagraph import CUDAGraphStrategy
 
 VARIANTS = ("layer", "layer+optimizer_graph")
@@ -111,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     median = median_of_rounds(fits)
-    per_round = [
-        without["median_ms"] / with_["median_ms"]
-        for without, with_ in zip(fits["layer"], fits["layer+optimizer_graph"], strict=True)
-    ]
+    per_round = ratio_per_round(fits, "layer", "layer+optimizer_graph")
     speedup = median["layer"] / median["layer+optimizer_graph"]
     first = {variant: fits[variant][0] for variant in VARIANTS}
     record = {
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "timed": args.timed,
         "rounds": args.rounds,
         "median_ms": median,
-        "round_ms": {variant: [fit["median_ms"] for fit in fits[variant]] for variant in VARIANTS},
+        "round_ms": round_ms(fits),
         "speedup_per_round": per_round,
         "speedup": speedup,
         "goal": GOAL,

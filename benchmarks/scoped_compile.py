@@ -23,7 +23,7 @@ import torch
 from benchmarks.core import records
 from benchmarks.core.figures import finite, spread
 from benchmarks.core.models import WARMUP_STEPS, build, graph_callback
-from benchmarks.core.timing import StepClock, in_turns, median_of_rounds, timing_trainer
+from benchmarks.core.timing import StepClock, in_turns, median_of_rounds, ratio_per_round, round_ms, timing_trainer
 from lightning_cudagraph import CUDAGraphStrategy
 
 VARIANTS = ("layer-strategy", "layer-strategy+compile")
@@ -69,12 +69,11 @@ def case(model: str, args: argparse.Namespace) -> dict[str, Any]:
         lambda index, fit: f"[{model} {index}] {fit['variant']:>22}: {fit['median_ms']:8.3f} ms/step {fit['stage']}",
     )
     median = median_of_rounds(fits)
-    plain, compiled = (fits[variant] for variant in VARIANTS)
     return {
         "median_ms": median,
-        "round_ms": {variant: [fit["median_ms"] for fit in fits[variant]] for variant in VARIANTS},
+        "round_ms": round_ms(fits),
         "speedup": median[VARIANTS[0]] / median[VARIANTS[1]],
-        "speedup_per_round": [a["median_ms"] / b["median_ms"] for a, b in zip(plain, compiled, strict=True)],
+        "speedup_per_round": ratio_per_round(fits, *VARIANTS),
         "report": {variant: fits[variant][0] for variant in VARIANTS},
     }
 

@@ -90,6 +90,8 @@ def test_in_turns_reverses_the_order_every_other_round_and_takes_the_median_of_r
     assert order == ["a", "b", "b", "a", "a", "b"], "neither variant always goes first"
     assert {v: [f["median_ms"] for f in got] for v, got in fits.items()} == {"a": [5.0, 4.0, 6.0], "b": [9.0, 8.0, 7.0]}
     assert timing.median_of_rounds(fits) == {"a": 5.0, "b": 8.0}
+    assert timing.round_ms(fits) == {"a": [5.0, 4.0, 6.0], "b": [9.0, 8.0, 7.0]}
+    assert timing.ratio_per_round(fits, "b", "a") == [9.0 / 5.0, 2.0, 7.0 / 6.0]
     assert capsys.readouterr().out.splitlines() == ["[1] a", "[1] b", "[2] b", "[2] a", "[3] a", "[3] b"]
 
 

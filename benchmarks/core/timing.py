@@ -178,6 +178,16 @@ def median_of_rounds(fits: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
     return {variant: statistics.median(fit["median_ms"] for fit in got) for variant, got in fits.items()}
 
 
+def round_ms(fits: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Per variant, every round's median step time, in round order."""
+    return {variant: [fit["median_ms"] for fit in got] for variant, got in fits.items()}
+
+
+def ratio_per_round(fits: dict[str, list[dict[str, Any]]], reference: str, variant: str) -> list[float]:
+    """Per round, ``reference`` 's median step time over ``variant`` 's (above 1: ``variant`` is faster)."""
+    return [a["median_ms"] / b["median_ms"] for a, b in zip(fits[reference], fits[variant], strict=True)]
+
+
 def progress_line(fit: dict[str, Any], round_index: int = 0) -> str:
     """One line per fit as it finishes: ms/step, the package's stage and level, why graphs are off."""
     report = fit.get("report") or {}
