@@ -197,6 +197,12 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         self.rollout.batch_end(trainer, pl_module, outputs)
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self.rollout.before_optimizer_step()
+
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.rollout.abandon_step()  # a batch skipped by ``on_train_batch_start`` returning -1 never ended
 

@@ -21,6 +21,7 @@ from lightning_cudagraph.drivers.scoped import ScopedDriver
 from lightning_cudagraph.drivers.whole_step import WholeStepDriver
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.levels import Level, Plan
+from lightning_cudagraph.observation import Observer
 from lightning_cudagraph.stages import StageMachine
 
 __all__ = ["DriverFactory"]
@@ -36,11 +37,12 @@ class DriverFactory:
         machine: The stage machine of the fit.
         trainer: The Trainer (Transformer Engine's driver reads its precision plugin).
         plan: What every scoped driver patches (the targets of all levels, and the parts that may replace a layer).
+        observer: Watches the Python of recorded region calls (a scoped driver's warmup steps).
 
     Example:
         A fit builds one in ``on_fit_start`` and hands it to the level runner, which calls it per level::
 
-            factory = DriverFactory(config, component, backend, machine, trainer, plan)
+            factory = DriverFactory(config, component, backend, machine, trainer, plan, observer)
             driver = factory(level, LevelSettings.of(config), before_first_capture=note_eager_baseline)
     """
 
@@ -52,9 +54,10 @@ class DriverFactory:
         machine: StageMachine,
         trainer: pl.Trainer,
         plan: Plan,
+        observer: Observer,
     ) -> None:
         self.config, self.component, self.backend, self.machine = config, component, backend, machine
-        self._trainer, self._plan = trainer, plan
+        self._trainer, self._plan, self._observer = trainer, plan, observer
         #: ``compile=``: the watch on dynamo from now on (``None`` without ``compile=``).
         self.compile_watch: CompileWatch | None = None
         self._forwards: CompiledForwards | None = None
@@ -76,9 +79,9 @@ class DriverFactory:
             if self.config.impl == "transformer_engine":
                 from lightning_cudagraph.drivers.te_scoped import TEScopedDriver
 
-                driver = TEScopedDriver(self._trainer, regions, *collaborators)
+                driver = TEScopedDriver(self._trainer, regions, *collaborators, observer=self._observer)
             else:
-                driver = ScopedDriver(regions, *collaborators, compiled=self._forwards)
+                driver = ScopedDriver(regions, *collaborators, compiled=self._forwards, observer=self._observer)
 
         def first_capture() -> None:
             if self.compile_watch is not None:

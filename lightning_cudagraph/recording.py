@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_cudagraph.graphs.backend import RecordedCall
+from lightning_cudagraph.observation import Behaviour
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.signature import (
     CallSignature,
@@ -28,11 +29,12 @@ from lightning_cudagraph.signature import (
 
 @dataclass
 class StepRecord:
-    """The target calls of one eager step, in order, and (when kept) their sample inputs."""
+    """The target calls of one eager step, in order, (when kept) their sample inputs, and what their Python did."""
 
     batch: tuple[Any, ...]
     calls: list[tuple[int, CallSignature]] = field(default_factory=list)
     samples: dict[int, list[Tensor]] = field(default_factory=dict)
+    behaviours: dict[int, Behaviour] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +107,11 @@ class WarmupRecorder:
         if self._keep_samples:
             self._current.samples[index] = [_sample_of(t) for t in distinct_tensors(signature, args, kwargs)]
 
+    def observed(self, index: int, behaviour: Behaviour) -> None:
+        """What the Python of target ``index`` 's forward did in this step's call."""
+        if self._current is not None:
+            self._current.behaviours.setdefault(index, behaviour)
+
     def end_step(self) -> None:
         """Close the step (a step with no target call is still kept: it says the targets did not run).
 
@@ -172,6 +179,10 @@ class WarmupRecorder:
             if not first.grad_enabled or not first.training:
                 plan.skipped[target.name] = "runs without grad or in eval mode during training steps"
                 continue
+            python = _python_problem([step.behaviours[index] for step in steps if index in step.behaviours])
+            if python is not None:
+                plan.skipped[target.name] = f"its forward's Python {python}, which a graph would freeze"
+                continue
         order = [i for i, _ in last.calls if target_name(self._targets, i) not in plan.skipped and i not in excluded]
         for index in order:
             signature = next(sig for i, sig in last.calls if i == index)
@@ -182,6 +193,19 @@ class WarmupRecorder:
                 return plan
             plan.calls.append(RecordedCall(target.name, target.module, self._run_of(index), signature, samples))
         return plan
+
+
+def _python_problem(behaviours: list[Behaviour]) -> str | None:
+    """What a region's recorded calls show that a graph would freeze: a draw, or (after the first call, which may set
+    things up) an attribute it changes or other operations than the second call launched."""
+    for index, behaviour in enumerate(behaviours):
+        found = behaviour.depends() or (behaviour.changes() if index else None)
+        if found is None and index >= 2:
+            change = behaviours[1].differs(behaviour)
+            found = f"launched other operations from one call to the next: {change}" if change else None
+        if found is not None:
+            return found
+    return None
 
 
 def target_name(targets: Sequence[Target], index: int) -> str:

@@ -22,8 +22,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph import planning, preflight
 from lightning_cudagraph.agreement import RankAgreement
+from lightning_cudagraph.batches import batch_key
 from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph.drivers.accumulation import Position
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.evaluation import EvaluationGraphs, TrainedLevel
 from lightning_cudagraph.factory import DriverFactory
@@ -31,7 +33,12 @@ from lightning_cudagraph.fit_log import FitLog
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
 from lightning_cudagraph.health import CUDAGraphReport, Stage
+from lightning_cudagraph.observation import Observer
 from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph.step_python import StepPython, optimizer_hooks, step_python_reason
+
+#: No step is to be observed.
+_UNOBSERVED = object()
 
 
 class Rollout:
@@ -60,6 +67,9 @@ class Rollout:
         #: Whether the strategy hands every micro-batch of an accumulation window to the whole step: a whole-step
         #: level is planned (and not skipped), under automatic optimization. Set when the fit starts.
         self.whole_step_accumulation = False
+        #: What the eager steps' Python showed (the package's strategies run the whole step: it is watched there).
+        self.step_python = StepPython(Observer(trace=config.compile is None))
+        self._observed: Any = _UNOBSERVED  # the key of the step planned to run observed
 
     @property
     def stage(self) -> Stage:
@@ -109,6 +119,9 @@ class Rollout:
                 " training runs eagerly, exactly as without the package",
             )
             return
+        self._refuse_optimizer_hooks(trainer)
+        if not self.machine.graphs_allowed:
+            return
         module = trainer.lightning_module  # an optimizer_step override would run for every micro-batch: not handed
         self.whole_step_accumulation = (
             module.automatic_optimization
@@ -116,7 +129,10 @@ class Rollout:
             and any(level.whole_step for level in self.climb.ladder.to_try)
         )
         self.machine.agreement = RankAgreement(trainer.strategy.root_device)
-        self._factory = DriverFactory(self.config, self.component, self.backend, self.machine, trainer, self.climb.plan)
+        self.step_python.setup_steps = 2 if trainer.world_size > 1 else 1  # DDP rebuilds its buckets on step two
+        self._factory = DriverFactory(
+            self.config, self.component, self.backend, self.machine, trainer, self.climb.plan, self.step_python.observer
+        )
         self.climb.attach(trainer, self.backend, self.machine, self._factory)
 
     def train_start(self, trainer: pl.Trainer) -> None:
@@ -152,28 +168,100 @@ class Rollout:
 
     # ------------------------------------------------------------------ whole steps (called by the strategy)
     def plan_whole_step(self, trainer: pl.Trainer, batch: Any) -> Any:
-        """Before a training step: the driver plans it (eager, capture or replay) and returns the batch to use."""
-        if self.driver is None:
+        """Before a training step: the driver plans it (eager, capture or replay) and returns the batch to use.
+
+        An eager step before the first capture, and one at each epoch boundary while the whole step replays, runs
+        observed (:mod:`lightning_cudagraph.step_python`).
+        """
+        self._observed = _UNOBSERVED
+        driver = self.driver
+        if driver is None:
             return batch
-        if self.active and trainer.training and not trainer.sanity_checking:
+        training = trainer.training and not trainer.sanity_checking
+        if self.active and training:
             self._seal_when_due(trainer.global_step)
-        return self.driver.plan(trainer, batch)
+        recheck = training and self.active and self._recheck_due(trainer)
+        if recheck:
+            driver.eager_next = f"step_python_recheck: epoch {trainer.current_epoch} started"
+        planned = driver.plan(trainer, batch)
+        before_capture = self.stage == Stage.WARMUP and not driver.captured_any and not driver.plans_capture
+        if training and self.active and self.step_python.problem is None and (recheck or before_capture):
+            self._observed = (batch_key(batch, values=True), Position.of(trainer).place), recheck
+        return planned
+
+    def _recheck_due(self, trainer: pl.Trainer) -> bool:
+        """An epoch started while the whole step replays: its first step runs eagerly, observed, and is compared."""
+        level = self.climb.ladder.current if self.climb is not None else None
+        return (
+            level is not None
+            and level.whole_step
+            and self.stage in (Stage.CONFIRMING, Stage.REPLAYING)
+            and self.step_python.recheck_due(trainer.current_epoch)
+            and Position.of(trainer).place.zeroes
+        )
 
     def run_whole_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
-        """Carry out the planned step (eagerly, by ``run_step``, below the whole step)."""
-        if self.driver is None:
+        """Carry out the planned step (eagerly, by ``run_step``, below the whole step), observed when planned so."""
+        driver, observed, self._observed = self.driver, self._observed, _UNOBSERVED
+        if driver is None:
             return run_step()
-        return self.driver.run(trainer, closure, optimizer, run_step)
+        # A scoped level captures its regions after the plan (at the batch's start): that step is not eager.
+        if observed is _UNOBSERVED or (driver.captured_any and not observed[1]):
+            return driver.run(trainer, closure, optimizer, run_step)
+        key = observed[0]
+        module = trainer.lightning_module
+        step = lambda: driver.run(trainer, closure, optimizer, run_step)  # noqa: E731
+        output = self.step_python.run(key, module, trainer.current_epoch, step)
+        self._act_on_step_python()
+        return output
+
+    def training_step_arguments(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``training_step`` 's arguments; in an observed step, ``batch_idx`` notes where user code reads it."""
+        return self.step_python.step_arguments(args)
 
     def on_training_step_output(self, output: Any) -> None:
         """``training_step`` returned (while capturing, this is the captured output)."""
-        if self.driver is not None:
+        self.step_python.step_output(output)
+        if self.driver is not None and self.driver.capturing:
             self.driver.on_training_step_output(output)
 
-    @property
-    def capturing_whole_step(self) -> bool:
-        """Whether the strategy's hooks are running inside a whole-step capture."""
-        return self.driver is not None and self.driver.capturing
+    def before_optimizer_step(self) -> None:
+        """The optimizer's update starts: an observed step's trace ends here (its settings are watched apart)."""
+        self.step_python.pause_trace()
+
+    def _act_on_step_python(self) -> None:
+        """After an observed step, taken by every rank at once: the whole step is left out, or rolled back."""
+        found = self.step_python.problem
+        if not self.machine.agreement.any_of([found is not None])[0] or self.climb is None:
+            return
+        reason = found or step_python_reason(
+            "training_step's Python differs between steps on another rank", "see that rank's log"
+        )
+        self.step_python.problem = reason  # every rank stops observing at once
+        level = self.climb.ladder.current
+        if level is not None and level.whole_step:
+            self.machine.rollback(reason)
+        elif any(level.whole_step for level in self.climb.ladder.to_try):
+            self.climb.ladder.skip(FULL_ITERATION, reason)
+            rank_zero_info(f"{self.component}: scope='auto' leaves the whole step out: {reason}")
+
+    def _refuse_optimizer_hooks(self, trainer: pl.Trainer) -> None:
+        """Optimizer step hooks run once at a whole-step capture and never on replay: no whole step for this fit."""
+        if self.climb is None or not any(level.whole_step for level in self.climb.ladder.to_try):
+            return
+        hooks = next(filter(None, map(optimizer_hooks, trainer.optimizers)), None)
+        if hooks is None:
+            return
+        self.step_python.problem = reason = step_python_reason(
+            f"runs optimizer step hooks ({hooks}), which a replay never runs",
+            "remove the hooks for the fit (handle.remove()), or use a scoped level (strategy='cudagraph' or"
+            " scope=['layer']), whose optimizer step runs eagerly with its hooks",
+        )
+        if self.climb.ladder.climbs:
+            self.climb.ladder.skip(FULL_ITERATION, reason)
+            rank_zero_info(f"{self.component}: scope='auto' leaves the whole step out: {reason}")
+        else:
+            self.machine.rollback(reason)
 
     # ------------------------------------------------------------------ evaluation loops
     def evaluation_start(self, trainer: pl.Trainer, backend: CaptureBackend | None = None) -> None:

@@ -81,10 +81,11 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
         rollout = self.rollout
-        if rollout is not None and rollout.capturing_whole_step:
-            rollout.on_training_step_output(output)
+        if rollout is None:
+            return super().training_step(*args, **kwargs)
+        output = super().training_step(*rollout.training_step_arguments(args), **kwargs)
+        rollout.on_training_step_output(output)
         return output
 
     @override

@@ -54,7 +54,10 @@ def test_every_micro_batch_replays_and_training_equals_eager(accumulate):
     assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
     places = 3 if accumulate > 2 else 2
     assert report.captures >= places, f"expected a graph per place in the window, got {report.captures}"
-    assert report.replays > len(eager.losses) // 2, "most micro-batches should replay"
+    # After capture, only the first window of each later epoch runs eagerly: it re-checks the step's Python.
+    rechecks = run.trainer.current_epoch - 1
+    assert report.steps_eager == rechecks * accumulate, report.fallback_reasons
+    assert report.replays > len(eager.losses) // 3, "most micro-batches should replay"
     assert run.trainer.global_step == eager.trainer.global_step
     assert last_lr(run.trainer) == pytest.approx(last_lr(eager.trainer), rel=1e-6)  # a float32 tensor in the graph
     assert_losses_close(eager.losses, run.losses, 1e-6)

@@ -95,6 +95,9 @@ class Driver(ABC):
         self.reference_steps = 0
         #: Whether the step in progress is one of them.
         self.in_reference_step = False
+        #: Run the next planned step eagerly, counted as a fallback with this reason (a re-check of the step's
+        #: Python); the whole step's plan reads it once.
+        self.eager_next: str | None = None
 
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
         return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)
@@ -121,6 +124,11 @@ class Driver(ABC):
     @property
     def capturing(self) -> bool:
         """Whether the strategy's hooks are running inside a whole-step capture."""
+        return False
+
+    @property
+    def plans_capture(self) -> bool:
+        """Whether the step just planned captures the whole step (its Python runs inside the capture)."""
         return False
 
     # ------------------------------------------------------------------ for the level runner

@@ -7,6 +7,7 @@ scalar; none synchronizes with the device.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,11 +35,13 @@ def relative_error(reference: Sequence[Tensor], other: Sequence[Tensor]) -> Tens
 
 
 class StateWatch:
-    """What the graphs were captured with: which parameters trained, and where every parameter and buffer lives.
+    """What the graphs were captured with: which parameters trained, where every parameter and buffer lives, and the
+    modes, hooks and attributes of the modules inside them.
 
-    Checked before each step that replays (host-side flags and data pointers, no device sync): a parameter whose
-    ``requires_grad`` changed would get no gradient from the graphs, and a parameter or buffer rebound to new
-    storage (``p.data = ...``, a ``.to()``, a weight swap) would leave the graphs reading the old one.
+    Checked before each step that replays (host-side flags, data pointers and dictionary sizes, no device sync): a
+    parameter whose ``requires_grad`` changed would get no gradient from the graphs, a parameter or buffer rebound to
+    new storage (``p.data = ...``, a ``.to()``, a weight swap) would leave the graphs reading the old one, and a module
+    switched to eval mode, given a hook or a forward of its own (a callback mid-fit) would be replayed as captured.
 
     Example:
         >>> import torch
@@ -55,20 +58,41 @@ class StateWatch:
         self._tensors: list[Tensor] = []
         self._flags: list[bool] = []
         self._addresses: list[int] = []
+        self._modules: list[tuple[str, torch.nn.Module, torch.nn.Module | None]] = []
+        self._modes: list[bool] = []
+        self._dicts: list[dict[Any, Any]] = []
+        self._lengths: list[int] = []
+        self._sizes = 0
 
-    def watch(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Remember ``requires_grad`` and the storage of these tensors now."""
+    def watch(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        modules: Iterable[tuple[str, torch.nn.Module, torch.nn.Module | None]] = (),
+    ) -> None:
+        """Remember ``requires_grad`` and the storage of these tensors now, and the modes and hooks of ``modules``.
+
+        ``modules`` are ``(name, module, region)``: the mode of a module inside a region is watched against the
+        region's own (a region switched to eval as a whole is another call signature, which falls back by itself).
+        """
         self._watched = [(name, t, t.requires_grad, t.data_ptr()) for name, t in named_tensors]
         self._tensors = [t for _, t, _, _ in self._watched]
         self._flags = [trainable for _, _, trainable, _ in self._watched]
         self._addresses = [address for _, _, _, address in self._watched]
+        self._modules = list(modules)
+        self._modes = self._modes_now()
+        self._dicts = [d for _, module, _ in self._modules for d in _hook_dicts(module)]
+        self._lengths = [len(d) for d in self._dicts]
+        self._sizes = sum(self._lengths)
+
+    def _modes_now(self) -> list[bool]:
+        return [m.training if r is None else m.training == r.training for _, m, r in self._modules]
 
     def problem(self) -> str | None:
         """A rollback reason if a tensor's trainability or storage changed since :meth:`watch`, else ``None``."""
         # Checked before every replayed step: two list comparisons, and the named search only when one differs.
         tensors = self._tensors
         if [t.requires_grad for t in tensors] == self._flags and [t.data_ptr() for t in tensors] == self._addresses:
-            return None
+            return self._module_problem()
         for name, tensor, trainable, address in self._watched:
             if tensor.requires_grad is not trainable:
                 return (
@@ -78,6 +102,41 @@ class StateWatch:
             if tensor.data_ptr() != address:
                 return f"address_changed: {name} is not the tensor the graphs were captured with (it was rebound)"
         return None
+
+    def _module_problem(self) -> str | None:
+        """A rollback reason if a watched module changed mode, or got hooks, attributes or a forward of its own."""
+        modes = self._modes_now()
+        if modes == self._modes and sum(map(len, self._dicts)) == self._sizes:
+            return None
+        for (name, module, _), now, then in zip(self._modules, modes, self._modes, strict=True):
+            if now != then:
+                mode = "train" if module.training else "eval"
+                return (
+                    f"module_changed: {name} went to {mode} mode since capture; the graphs replay the mode they were"
+                    " captured in (dropout, batch norm). Fix: set modes before the fit or in the warmup steps"
+                )
+        lengths = iter(self._lengths)
+        for name, module, _ in self._modules:
+            if [len(d) for d in _hook_dicts(module)] != [next(lengths) for _ in range(_HOOK_DICTS)]:
+                return (
+                    f"module_changed: {name} got a hook, an attribute or a forward of its own since capture; a graph"
+                    " runs no hook and no new forward. Fix: add hooks and forwards before the fit"
+                )
+        return None
+
+
+_HOOK_DICTS = 5
+
+
+def _hook_dicts(module: torch.nn.Module) -> list[dict[Any, Any]]:
+    """The dictionaries a mid-fit hook or forward on ``module`` lands in (a new key changes one's size)."""
+    return [
+        vars(module),
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+    ]
 
 
 class MetricUpdates:

@@ -22,6 +22,7 @@ from lightning_cudagraph.drivers.evidence import relative_error
 from lightning_cudagraph.graphs.backend import RegionGraphs
 from lightning_cudagraph.graphs.local import tensor_addresses
 from lightning_cudagraph.health import CUDAGraphReport
+from lightning_cudagraph.observation import Observer
 from lightning_cudagraph.recording import WarmupRecorder
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.signature import (
@@ -134,6 +135,8 @@ class StepRoute:
     parity: list[tuple[int, Tensor]] = field(default_factory=list)
     replays: int = 0
     fallbacks: int = 0
+    #: The targets that ran in this step (a graph serves one call of its region per step).
+    called: set[int] = field(default_factory=set)
 
 
 class CallRouter:
@@ -146,6 +149,7 @@ class CallRouter:
             :meth:`~lightning_cudagraph.drivers.shape_change.ShapeDecision.region_mismatch`.
         state_problem: Says why the parameters no longer match the graphs (trainability, storage), or ``None``.
         preserved: Restores random-number and buffer state around a confirmation's graphed forward.
+        observer: Watches the Python of each recorded call.
     """
 
     def __init__(
@@ -154,9 +158,10 @@ class CallRouter:
         mismatch: Callable[[str, str], str],
         state_problem: Callable[[], str | None],
         preserved: Callable[[list[torch.nn.Module]], contextlib.AbstractContextManager[None]],
+        observer: Observer,
     ) -> None:
         self.report, self._mismatch = report, mismatch
-        self._state_problem, self._preserved = state_problem, preserved
+        self._state_problem, self._preserved, self._observer = state_problem, preserved, observer
         self._route: StepRoute | None = None
 
     def begin(self, route: StepRoute) -> None:
@@ -174,8 +179,15 @@ class CallRouter:
         if route is None:
             return forward.original(*args, **kwargs)
         if route.recorder is not None:
-            route.recorder.record(forward.index, args, kwargs)
+            if route.fallback_reason is not None:  # a new shape's own eager steps while graphs are in use
+                self._count_fallback(route, route.fallback_reason)
+            return self._recorded_call(route.recorder, forward, args, kwargs)
+        again = forward.index in route.called
+        route.called.add(forward.index)
         entry = route.graph_set.entries.get(forward.index) if route.graph_set is not None else None
+        if again and entry is not None:  # replaying again would overwrite what the first call saved for backward
+            self._count_fallback(route, called_again(entry.region.name))
+            return forward.run(*args, **kwargs)
         if route.fallback_reason is not None or entry is None:
             if route.fallback_reason is not None:
                 self._count_fallback(route, route.fallback_reason)
@@ -194,6 +206,17 @@ class CallRouter:
         if route.confirming:
             return self._confirming_call(route, entry, forward, args, kwargs)
         return self._replay(route, entry, args, kwargs)
+
+    def _recorded_call(
+        self, recorder: WarmupRecorder, forward: TargetForward, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """An eager call of a warmup step: its signature recorded, its Python observed."""
+        with self._observer.paused():  # the recorder's copies of the inputs are not the call's
+            recorder.record(forward.index, args, kwargs)
+        with self._observer.span([forward.module]) as seen:
+            output = forward.run(*args, **kwargs)
+        recorder.observed(forward.index, seen)
+        return output
 
     def on_backward(self, region: RegionGraphs) -> None:
         """A region's backward graph is about to replay (confirmation checks the order)."""
@@ -235,6 +258,14 @@ class CallRouter:
         route.parity.append((forward.index, relative_error(eager, graphed)))
         entry.parity_checked = True
         return output
+
+
+def called_again(name: str) -> str:
+    """The fallback reason of a region called a second time in one training step."""
+    return (
+        f"called_again: {name} ran again in the same training step; its graph serves one call per step (a second"
+        " replay would overwrite what the first saved for backward), so this call runs eagerly"
+    )
 
 
 def _mismatch(

@@ -30,6 +30,7 @@ from lightning_cudagraph.drivers.shape_cache import ShapeCache
 from lightning_cudagraph.drivers.shape_change import ShapeAction, ShapeDecision
 from lightning_cudagraph.graphs.backend import CaptureBackend, CaptureMethod
 from lightning_cudagraph.health import Stage
+from lightning_cudagraph.observation import Observer
 from lightning_cudagraph.recording import WarmupRecorder
 from lightning_cudagraph.stages import StageMachine
 
@@ -49,6 +50,7 @@ class ScopedDriver(Driver):
             :class:`~lightning_cudagraph.drivers.regions.RegionSet`).
         config, component, backend, machine, settings: See :class:`~lightning_cudagraph.drivers.base.Driver`.
         compiled: ``compile=``: the compiled stand-ins of the targets' forwards (what training steps run and capture).
+        observer: Watches the Python of each recorded call (``None``: a fit's own, untraced).
 
     Example:
         >>> driver = ScopedDriver(regions, config, "CUDAGraphCallback", backend, machine)  # doctest: +SKIP
@@ -67,6 +69,7 @@ class ScopedDriver(Driver):
         machine: StageMachine,
         settings: LevelSettings,
         compiled: CompiledForwards | None = None,
+        observer: Observer | None = None,
     ) -> None:
         super().__init__(config, component, backend, machine, settings)
         self.regions = regions
@@ -77,7 +80,11 @@ class ScopedDriver(Driver):
         self.confirmation = RegionConfirmation(config, machine, regions, self.graph_sets, self.parity_tolerance)
         self.state = StateWatch()
         self.router = CallRouter(
-            self.report, self.shapes.region_mismatch, state_problem=self.state.problem, preserved=backend.preserved
+            self.report,
+            self.shapes.region_mismatch,
+            state_problem=self.state.problem,
+            preserved=backend.preserved,
+            observer=observer or Observer(trace=False),
         )
         self.forwards = PatchedForwards(self.targets, self.router, compiled)
         self.recorder = WarmupRecorder(self.targets, run_of=self.forwards.run_of)

@@ -75,10 +75,10 @@ class GraphSetCapture:
             return None
         if first:
             self.machine.begin_confirmation()
-            self.state.watch(
-                (f"{t.name}.{n}", tensor)
-                for t in self.regions.active_targets
-                for n, tensor in (*t.module.named_parameters(), *t.module.named_buffers())
+            targets = self.regions.active_targets
+            self.state.watch(  # a region's own mode and hooks act around its replay: the modules inside it are watched
+                ((f"{t.name}.{n}", tensor) for t in targets for n, tensor in _tensors_of(t.module)),
+                ((f"{t.name}.{n}", m, t.module) for t in targets for n, m in t.module.named_modules() if n),
             )
         return self.graph_sets.get(batch)
 
@@ -89,7 +89,8 @@ class GraphSetCapture:
                 detail = f"input signatures moved during the warmup steps: {plan.unstable}"
                 self.machine.disable(f"shape_unstable: {plan.unstable}", detail=detail)
             else:
-                self.machine.disable("no_targets", detail=f"no target module ran in a training step: {plan.skipped}")
+                why = _why_none(plan.skipped)
+                self.machine.disable(f"no_targets: {why}", detail=f"{why}: {plan.skipped}")
             return
         why = f"its input signatures moved: {plan.unstable}" if plan.unstable else "no target ran in it"
         rank_zero_warn(f"{self.component}: batch shape {describe_batch_key(batch)} stays eager: {why}")
@@ -131,3 +132,16 @@ class GraphSetCapture:
             f" {self.report.capture_ms:.0f} ms{held}{evicted}"
         )
         return True
+
+
+def _why_none(skipped: dict[str, str]) -> str:
+    """Why no target of a batch shape can be captured, from why each was left out."""
+    reasons = set(skipped.values())
+    if len(reasons) == 1:
+        (reason,) = reasons
+        return f"every target was left eager: {reason}"
+    return "no target module ran once per training step, with grad, in training mode"
+
+
+def _tensors_of(module: Any) -> list[tuple[str, Any]]:
+    return [*module.named_parameters(), *module.named_buffers()]

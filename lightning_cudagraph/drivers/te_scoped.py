@@ -27,8 +27,8 @@ class TEScopedDriver(ScopedDriver):
         *args: See :class:`~lightning_cudagraph.drivers.scoped.ScopedDriver`.
     """
 
-    def __init__(self, trainer: pl.Trainer, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         from lightning_cudagraph.graphs.te import FP8WeightCache, capture_te_regions, fp8_recipe_of
 
         recipe = fp8_recipe_of(trainer.precision_plugin)

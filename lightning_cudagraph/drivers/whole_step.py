@@ -16,8 +16,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import Metric
 
-from lightning_cudagraph._lightning import accumulating
+from lightning_cudagraph._lightning import accumulating, step_loss
 from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason, own_copy
 from lightning_cudagraph.compiling import CompiledModules, called_modules
 from lightning_cudagraph.config import CUDAGraphConfig
@@ -100,6 +101,11 @@ class WholeStepDriver(Driver):
         """Decide what the next optimizer step does, and return the batch it should use (static buffers to replay)."""
         self._plan = None
         if not self.machine.graphs_allowed or not trainer.training or trainer.sanity_checking:
+            return batch
+        recheck, self.eager_next = self.eager_next, None
+        if recheck is not None:
+            self._position = Position.of(trainer)
+            self._plan = EagerStep(fallback=recheck)
             return batch
         key = batch_key(batch, values=True)  # a graph bakes in the batch's non-tensor values too
         in_use = self.machine.stage != Stage.WARMUP
@@ -230,6 +236,12 @@ class WholeStepDriver(Driver):
         if metrics is None:
             self.binding.forget()
             return False
+        if step_loss(whole.output) is None:  # training_step skipped this batch: no backward, no optimizer step
+            whole.reset()
+            before.restore()
+            self.binding.forget()
+            self.machine.rollback(skipped_at_capture(module.trainer.global_step))
+            return False
         # A first micro-batch's graph writes gradient tensors of its own; a later one adds into its window's.
         if not plan.position.place.zeroes and not self.binding.verify():
             whole.reset()
@@ -254,7 +266,8 @@ class WholeStepDriver(Driver):
             return False
         self.optimizers.captured()  # what this graph bakes in
         if first:  # later shapes must read the same tensors: a rebind in between is caught, not re-watched
-            self.state.watch((*module.named_parameters(), *module.named_buffers()))
+            inside = [(name, m, None) for name, m in module.named_modules() if name and not isinstance(m, Metric)]
+            self.state.watch((*module.named_parameters(), *module.named_buffers()), inside)
         evicted = f"; evicted batch {describe_batch_key(plan.evicts)}" if plan.evicts is not None else ""
         where = f" ({plan.position.describe()})" if plan.position.accumulate > 1 else ""
         rank_zero_info(
@@ -275,6 +288,11 @@ class WholeStepDriver(Driver):
     def capturing(self) -> bool:
         """Whether the strategy's hooks are running inside a whole-step capture."""
         return self.capture.capturing
+
+    @property
+    def plans_capture(self) -> bool:
+        """Whether the step just planned captures the whole step."""
+        return isinstance(self._plan, CaptureStep)
 
     def on_training_step_output(self, output: Any) -> None:
         """While capturing: keep ``training_step`` 's output (static tensors) and add the non-finite check."""
@@ -318,3 +336,13 @@ class WholeStepDriver(Driver):
             if self.compiled is not None:
                 self.compiled.restore()
             self.optimizers.restore()
+
+
+def skipped_at_capture(step: int) -> str:
+    """The rollback reason of a whole step captured on a batch that ``training_step`` skipped."""
+    return (
+        f"skipped_step: training_step returned None at step {step}, the step being captured, so its graph would hold"
+        " no backward and no optimizer step and every replay would train nothing. Fix: where skipping means leaving"
+        " the batch out of the loss, mask it instead (multiply the loss by a 0/1 tensor); otherwise use a scoped"
+        " level (strategy='cudagraph' or scope=['layer']), which runs training_step every step"
+    )

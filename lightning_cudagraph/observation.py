@@ -1,0 +1,416 @@
+"""What the Python of an eager step depends on, seen before a graph is trusted with it.
+
+A graph replays kernels: the Python that launched them runs once, at capture. Whatever it decided per step is frozen
+then: a skipped batch, a weight read from ``self.global_step``, a branch on the epoch or on ``batch_idx``, a draw
+from Python's ``random``, a list it appends to, a counter it increments. An :class:`Observer` watches spans of eager
+Python (a whole step, or one call of a region) and returns a :class:`Behaviour` for each:
+
+- the per-step values Lightning hands the step that user code read (``self.global_step``, ``self.current_epoch``,
+  ``trainer.global_step``, ``batch_idx``), with the line that read them;
+- draws from Python's and NumPy's global random generators;
+- module attributes the span changed (counters, lists it appends to, new attributes), torchmetrics states aside;
+- the operations it launched and the Python numbers baked into them (a recording dispatch mode), compared from one
+  span to the next;
+- whether the step skipped its batch (returned no loss).
+
+Only eager spans are watched: the warmup steps, the recorded calls of regions, and the re-checks at epoch
+boundaries. A replayed step runs none of this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import random
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Behaviour", "Observer", "watched_index"]
+
+#: Frames of these packages are not the user's: what they read is the framework's own business.
+_FRAMEWORK_DIRS = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (torch.__file__, sys.modules[pl.__name__.partition(".")[0]].__file__, __file__)
+    if path is not None
+)
+#: The per-step values of Lightning a graph would freeze, by the class attribute they are read through.
+_PER_STEP = ("global_step", "current_epoch")
+#: Operations kept in a trace at most (a long step is compared on its first ones).
+_TRACE_LIMIT = 200_000
+
+
+def _user_line(frame: FrameType | None) -> str | None:
+    """``file:line: source`` of the first frame outside the framework, or ``None`` when the framework reads."""
+    if frame is None or frame.f_code.co_filename.startswith(_FRAMEWORK_DIRS):
+        return None
+    name, line = frame.f_code.co_filename, frame.f_lineno
+    source = linecache.getline(name, line).strip()
+    return f"{os.path.basename(name)}:{line}: `{source}`" if source else f"{os.path.basename(name)}:{line}"
+
+
+@dataclass
+class Behaviour:
+    """What one span of eager Python did that a graph would not do again.
+
+    Attributes:
+        reads: Per-step values read by user code -> where (the first read).
+        random: The global random generators the span drew from.
+        mutated: Module attributes the span changed, described.
+        trace: The operations launched and their non-tensor arguments (``None`` when not traced).
+        skipped: Whether the step returned no loss (a skipped batch).
+
+    Example:
+        >>> Behaviour(reads={"batch_idx": "train.py:7: `if batch_idx % 4 == 3:`"}).depends()
+        'reads batch_idx (train.py:7: `if batch_idx % 4 == 3:`)'
+        >>> Behaviour(trace=(("aten::mul.Tensor", 1.0),)).differs(Behaviour(trace=(("aten::mul.Tensor", 0.1),)))
+        'operation 0 went from aten::mul.Tensor(1.0) to aten::mul.Tensor(0.1)'
+    """
+
+    reads: dict[str, str] = field(default_factory=dict)
+    random: list[str] = field(default_factory=list)
+    mutated: list[str] = field(default_factory=list)
+    trace: tuple[tuple[Any, ...], ...] | None = None
+    skipped: bool = False
+
+    def depends(self) -> str | None:
+        """What this span read or drew that a replay would freeze (or a skipped batch), or ``None``."""
+        if self.skipped:
+            return "skipped its batch (returned None)"
+        if self.reads:
+            return "; ".join(f"reads {name} ({where})" for name, where in self.reads.items())
+        if self.random:
+            return f"draws from {' and '.join(self.random)} (a replay draws nothing)"
+        return None
+
+    def changes(self) -> str | None:
+        """The module attributes this span changed (a replay would not change them), or ``None``."""
+        if self.mutated:
+            return f"changes module attributes a replay would not change: {', '.join(self.mutated[:3])}"
+        return None
+
+    def differs(self, other: Behaviour) -> str | None:
+        """How ``other`` launched other operations or other Python numbers than this span, or ``None``."""
+        if self.trace is None or other.trace is None or self.trace == other.trace:
+            return None
+        for index, (mine, theirs) in enumerate(zip(self.trace, other.trace, strict=False)):
+            if mine != theirs:
+                return f"operation {index} went from {_op(mine)} to {_op(theirs)}"
+        return f"it launched {len(self.trace)} operations, then {len(other.trace)}"
+
+
+def _op(record: tuple[Any, ...]) -> str:
+    name, *values = record
+    return f"{name}({', '.join(map(repr, values))})"
+
+
+class _Trace(TorchDispatchMode):
+    """Records each operation's name and its non-tensor arguments (Python numbers are baked into a graph)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, ...]] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        if not self.paused and len(self.ops) < _TRACE_LIMIT and not name.startswith("profiler."):
+            leaves = pytree.tree_leaves((args, kwargs or {}))
+            self.ops.append((name, *(leaf for leaf in leaves if _baked(leaf))))
+        return func(*args, **(kwargs or {}))
+
+
+def _baked(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str)) and not isinstance(value, torch.Tensor)
+
+
+class Observer:
+    """Watches eager spans of one fit; one span at a time per kind, nested spans share the trace.
+
+    Args:
+        trace: Record the operations of each span (off with ``compile=``: dynamo compiles what it sees run).
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> observer = Observer(trace=True)
+        >>> with observer.span([layer]) as seen:
+        ...     _ = layer(torch.ones(1, 2)) * 0.5
+        >>> seen.trace[-1]
+        ('aten.mul.Tensor', 0.5)
+    """
+
+    def __init__(self, trace: bool = True) -> None:
+        self.trace = trace
+        self._mode: _Trace | None = None
+
+    @contextlib.contextmanager
+    def span(
+        self, modules: Sequence[torch.nn.Module], reader: pl.LightningModule | None = None, paused: bool = False
+    ) -> Iterator[Behaviour]:
+        """Watch what runs inside: reads through ``reader`` (and its Trainer), random draws, attributes of ``modules``.
+
+        The yielded :class:`Behaviour` is filled in when the span ends. ``paused``: the trace starts at
+        :meth:`resume` (``training_step``: what the optimizer runs before its closure is not the step's own).
+        """
+        seen = Behaviour()
+        before, draws = python_state(modules), _random_states()
+        excused: set[str] = set()
+        start, owns = self._enter_trace(paused)
+        try:
+            with _reads_watched(reader, seen.reads), self._logs_untraced(reader, excused):
+                yield seen
+        finally:
+            mode = self._mode
+            if mode is not None:
+                seen.trace = tuple(mode.ops[start:])
+            if owns:
+                self._leave_trace()
+            seen.random = [name for name, state in _random_states().items() if draws.get(name) != state]
+            after = {name: value for name, value in python_state(modules).items() if name not in excused}
+            seen.mutated = describe_changes({k: v for k, v in before.items() if k not in excused}, after)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave what runs inside out of the trace (the package's own bookkeeping inside a span)."""
+        mode = self._mode
+        if mode is None or mode.paused:
+            yield
+            return
+        mode.paused = True
+        try:
+            yield
+        finally:
+            mode.paused = False
+
+    @contextlib.contextmanager
+    def _logs_untraced(self, module: pl.LightningModule | None, excused: set[str]) -> Iterator[None]:
+        """``self.log`` left out: replays re-issue its calls, so what they change (Lightning's results, set up anew
+        each epoch; a counter in a user's ``log`` override) is no frozen Python; the names they change are excused.
+        """
+        if module is None or "log" in vars(module):
+            yield
+            return
+        log = module.log
+
+        def untraced(*args: Any, **kwargs: Any) -> Any:
+            before = python_state([module])
+            with self.paused():
+                result = log(*args, **kwargs)
+            after = python_state([module])
+            excused.update(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+            return result
+
+        module.log = untraced  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log
+
+    def pause(self) -> None:
+        """Leave the rest of the current span out of the trace (``on_before_optimizer_step``)."""
+        if self._mode is not None:
+            self._mode.paused = True
+
+    def resume(self) -> None:
+        """Trace from here on (``training_step`` starts)."""
+        if self._mode is not None:
+            self._mode.paused = False
+
+    def _enter_trace(self, paused: bool) -> tuple[int, bool]:
+        if not self.trace:
+            return 0, False
+        if self._mode is not None:
+            return len(self._mode.ops), False
+        self._mode = _Trace()
+        self._mode.paused = paused
+        self._mode.__enter__()
+        return 0, True
+
+    def _leave_trace(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------- reads
+@contextlib.contextmanager
+def _reads_watched(module: pl.LightningModule | None, reads: dict[str, str]) -> Iterator[None]:
+    """Note where user code reads ``global_step`` or ``current_epoch``, through the module or its Trainer."""
+    if module is None:
+        yield
+        return
+    trainer = module._trainer
+    owners = [(type(module), "self"), *([(type(trainer), "trainer")] if trainer is not None else [])]
+    patched: list[tuple[type, str, Any]] = []
+    try:
+        for owner, prefix in owners:
+            for name in _PER_STEP:
+                original = owner.__dict__.get(name)
+                getter = getattr(owner, name, None)
+                if not isinstance(getter, property) or getter.fget is None:
+                    continue
+                setattr(owner, name, property(_noting(getter.fget, f"{prefix}.{name}", reads)))
+                patched.append((owner, name, original))
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _noting(fget: Callable[[Any], Any], name: str, reads: dict[str, str]) -> Callable[[Any], Any]:
+    def read(instance: Any) -> Any:
+        where = _user_line(sys._getframe(1))
+        if where is not None:
+            reads.setdefault(name, where)
+        return fget(instance)
+
+    return read
+
+
+class _WatchedIndex(int):
+    """An ``int`` that notes where user code first used it (``batch_idx`` of an observed step)."""
+
+    _reads: dict[str, str]
+    _name: str
+
+    def __reduce__(self) -> Any:
+        return (int, (int(self),))
+
+
+def _watching(name: str) -> Callable[..., Any]:
+    base = getattr(int, name)
+
+    def method(self: _WatchedIndex, *args: Any) -> Any:
+        where = _user_line(sys._getframe(1))
+        if where is not None:
+            self._reads.setdefault(self._name, where)
+        return base(self, *args)
+
+    return method
+
+
+for _name in (
+    "__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __hash__ __bool__ __index__ __int__ __float__ __str__ __repr__"
+    " __format__ __neg__ __pos__ __abs__ __round__ __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__"
+    " __rtruediv__ __floordiv__ __rfloordiv__ __mod__ __rmod__ __divmod__ __rdivmod__ __pow__ __rpow__ __and__"
+    " __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__ __rlshift__ __rshift__ __rrshift__"
+).split():
+    setattr(_WatchedIndex, _name, _watching(_name))
+
+
+def watched_index(value: int, reads: dict[str, str], name: str = "batch_idx") -> int:
+    """``value`` as an ``int`` that notes in ``reads`` where user code first used it.
+
+    Example:
+        >>> reads = {}
+        >>> index = watched_index(7, reads)
+        >>> index % 2, index + 1
+        (1, 8)
+        >>> sorted(reads)
+        ['batch_idx']
+    """
+    watched = _WatchedIndex(value)
+    watched._reads, watched._name = reads, name
+    return watched
+
+
+# ---------------------------------------------------------------------------------------------- random generators
+def _random_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"Python's random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, position, *_ = numpy.random.get_state()
+        states["numpy.random"] = (kind, hash(keys.tobytes()), position)
+    return states
+
+
+# ---------------------------------------------------------------------------------------------- module attributes
+def python_state(modules: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """A fingerprint of the plain Python attributes of ``modules`` and everything inside them, by qualified name.
+
+    Tensors, submodules, hooks and the framework's own bookkeeping are left out; torchmetrics metrics are watched by
+    their update counts elsewhere.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer.calls = 3
+        >>> python_state([layer])
+        {'in_features': 2, 'out_features': 2, 'calls': 3}
+    """
+    from torchmetrics import Metric
+
+    state: dict[str, Any] = {}
+    for root in modules:
+        for prefix, module in root.named_modules(remove_duplicate=False):
+            if isinstance(module, Metric):
+                continue
+            for key, value in vars(module).items():
+                if key in _framework_keys() or "hook" in key or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    continue
+                state[f"{prefix}.{key}" if prefix else key] = _fingerprint(value, top=True)
+    return state
+
+
+def _fingerprint(value: Any, top: bool = False) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor",)
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        items = list(value.values() if isinstance(value, dict) else value)
+        inner = tuple(_fingerprint(item) for item in items[:8]) if top else ()
+        return (type(value).__name__, id(value), len(items), inner)
+    return (type(value).__name__, id(value))
+
+
+def describe_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What changed between two :func:`python_state` fingerprints, one line per attribute.
+
+    Example:
+        >>> describe_changes({"calls": 2, "seen": ("list", 1, 3, ())}, {"calls": 3, "seen": ("list", 1, 4, ())})
+        ['calls: 2 -> 3', 'seen: list of 3 -> 4 items']
+    """
+    changes = []
+    for name in sorted(before.keys() | after.keys()):
+        old, new = before.get(name, _MISSING), after.get(name, _MISSING)
+        if old == new:
+            continue
+        if old is _MISSING:
+            changes.append(f"{name}: set by the step")
+        elif new is _MISSING:
+            changes.append(f"{name}: deleted by the step")
+        elif isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 4 and old[:2] == new[:2]:
+            changes.append(f"{name}: {old[0]} of {old[2]} -> {new[2]} items" if old[2] != new[2] else f"{name}: items")
+        elif isinstance(old, tuple) or isinstance(new, tuple):
+            changes.append(f"{name}: rebound")
+        else:
+            changes.append(f"{name}: {old!r} -> {new!r}")
+    return changes
+
+
+_MISSING = object()
+_KEYS: set[str] = set()
+
+
+def _framework_keys() -> set[str]:
+    """Attribute names ``nn.Module`` and ``LightningModule`` set themselves (their own bookkeeping)."""
+    if not _KEYS:
+        _KEYS.update(vars(torch.nn.Module()), vars(pl.LightningModule()), ("forward", "_compiled_call_impl"))
+    return _KEYS
