@@ -125,6 +125,17 @@ class StepCounter(pl.Callback):
         self.batches += 1
 
 
+def dense_audits(replayed: int, every: int | None) -> int:
+    """Audits in the first ``replayed`` replayed steps after a capture, as documented: the first after 2 steps, then
+    every interval twice the one before, up to ``every`` (``audit_every_n_steps``)."""
+    if not every:
+        return 0
+    count, interval, at = 0, min(2, every), 0
+    while at + interval <= replayed:
+        at, count, interval = at + interval, count + 1, min(2 * interval, every)
+    return count
+
+
 # =================================================================== what training leaves behind
 def parameters_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Float32 CPU copies of the parameters, by name."""

@@ -142,9 +142,15 @@ class PoisonWeightAt(pl.Callback):
 
 
 def test_a_nan_loss_of_a_replayed_whole_step_rolls_back_at_the_next_health_check():
+    # The health check is under test: without audits (which would catch the NaN first, as a parity failure).
     with pytest.warns(UserWarning, match="rolled back to eager training: nonfinite_loss"):
         run = fit(
-            *decoder(TINY), STEPS, [PoisonWeightAt(WARMUP + 2)], strategy=whole_step(), log_every_n_steps=3, **CPU
+            *decoder(TINY),
+            STEPS,
+            [PoisonWeightAt(WARMUP + 2)],
+            strategy=whole_step(audit_every_n_steps=None),
+            log_every_n_steps=3,
+            **CPU,
         )
     report = graph_callback(run.trainer).report
     assert (report.stage, report.rollbacks) == (Stage.DISABLED, 1)
@@ -328,10 +334,11 @@ def test_nested_custom_scopes_capture_the_outer_region_and_keep_inner_hooks_for_
         trainer(STEPS, [callback], **CPU).fit(model, data)
     assert callback.report.stage == Stage.REPLAYING, callback.report.reason
     assert [region.name for region in backend.regions] == ["model.blocks.0"]
-    assert len(fired) == WARMUP + 1, "the inner hook fires in the eager steps and the parity step's eager forward"
+    eager_forwards = WARMUP + 1 + callback.report.audits  # warmup, the parity step, each audit's eager forward
+    assert len(fired) == eager_forwards, "the inner hook fires in the eager steps and the checks' eager forwards"
     handle.remove()
     model.model.blocks[0](torch.zeros(1, TINY["seq_len"], TINY["width"]))
-    assert len(fired) == WARMUP + 1, "the inner hook outlived its handle"
+    assert len(fired) == eager_forwards, "the inner hook outlived its handle"
 
 
 def test_an_lr_schedule_acts_on_replayed_whole_steps():
@@ -343,7 +350,7 @@ def test_an_lr_schedule_acts_on_replayed_whole_steps():
 
 
 def test_a_nan_during_whole_step_confirmation_rolls_back_at_its_end():
-    strategy = whole_step(confirm_steps=3)
+    strategy = whole_step(confirm_steps=3, audit_every_n_steps=None)  # confirmation's check, not an audit's
     with pytest.warns(UserWarning, match="rolled back to eager training: nonfinite_loss"):
         run = fit(*decoder(TINY), STEPS, [PoisonWeightAt(WARMUP + 2)], strategy=strategy, **CPU)
     report = graph_callback(run.trainer).report

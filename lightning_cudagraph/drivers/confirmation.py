@@ -4,7 +4,8 @@ A confirming step replays each region's forward beside the eager forward on the 
 tensors' addresses and records the order backward graphs ran in (:mod:`lightning_cudagraph.drivers.routing`). Here
 those findings decide: a region that disagrees with eager is excluded (the same ones on every rank), a wrong backward
 order or a moved parameter rolls back, and the stage machine confirms once a step ran on graphs forward and
-backward. An audit is the same check of one region again, every ``audit_every_n_steps`` replayed steps.
+backward. An audit is the same check of one region again: dense right after capture, then every ``audit_every_n_steps`` replayed
+steps (:mod:`lightning_cudagraph.cadence`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from lightning_cudagraph.cadence import AuditCadence
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.regions import RegionSet
 from lightning_cudagraph.drivers.routing import GraphSet, StepRoute
@@ -48,24 +50,23 @@ class RegionConfirmation:
         self.report = machine.report
         self._tolerance = tolerance
         self._pending_problem: str | None = None
-        self._since_audit = 0
+        self._audits = AuditCadence(config.audit_every_n_steps)
 
     def audit_when_due(self, graph_set: GraphSet) -> None:
-        """Every ``audit_every_n_steps`` replayed steps, check one region again (round-robin) as confirmation did.
+        """When an audit is due (:class:`~lightning_cudagraph.cadence.AuditCadence`), check one region again.
+
+        The regions take their turns (round-robin).
 
         The region's forward graph replays beside the eager forward on the step's real inputs (parity), and the
         step checks addresses and backward order; a region that fails is excluded (or the fit rolls back), loudly.
         """
-        every = self.config.audit_every_n_steps
-        if not every or self.machine.stage != Stage.REPLAYING or graph_set.confirm_left > 0 or not graph_set.entries:
+        if self.machine.stage != Stage.REPLAYING or graph_set.confirm_left > 0 or not graph_set.entries:
             return
-        self._since_audit += 1
-        if self._since_audit < every:
+        if not self._audits.due():
             return
         indices = sorted(graph_set.entries)
         graph_set.entries[indices[self.report.audits % len(indices)]].parity_checked = False
         graph_set.confirm_left = 1
-        self._since_audit = 0
         self.report.audits += 1
 
     def recheck(self) -> None:

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import optimizer as _optimizer_module
 
+from lightning_cudagraph.cadence import AuditCadence
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.shadow import SHADOW_TOL
 from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
@@ -74,8 +75,7 @@ class OptimizerGraph:
         self._static_grads: list[Tensor] = []
         self._captures_seen = -1  # the report's region captures when the graph was captured
         self._confirm_left = 0
-        self._since_audit = 0
-        self._audit_every = config.audit_every_n_steps or 2**62
+        self._audits = AuditCadence(config.audit_every_n_steps)
         self.off_reason: str | None = None
 
     # ------------------------------------------------------------------ the step (the strategy's optimizer_step)
@@ -114,8 +114,7 @@ class OptimizerGraph:
             eager_update()
             self.machine.rollback(_setting_moved(problem))
             return
-        self._since_audit += 1
-        check_due = self._confirm_left > 0 or self._since_audit >= self._audit_every
+        check_due = self._confirm_left > 0 or self._audits.due()
         grads = [p.grad for p in self._params]  # one pass over the parameters: checked, then copied
         differ = self._grads_differ(module, grads)
         if differ is not None:
@@ -179,7 +178,8 @@ class OptimizerGraph:
             return
         self._captures_seen = self.report.captures
         self.optimizers.captured()
-        self._confirm_left, self._since_audit = self.config.confirm_steps, 0
+        self._confirm_left = self.config.confirm_steps
+        self._audits.checked()
         self.report.optimizer_graph = CONFIRMING
         rank_zero_info(f"{self.component}: captured the optimizer step ({len(grads)} parameters) in {elapsed:.1f} ms")
         self._shadow(module, eager_update, state)
@@ -205,7 +205,8 @@ class OptimizerGraph:
 
     def _weigh(self, value: float | None) -> None:
         """Count a check of difference ``value`` (``None``: none on this rank); roll back unless every rank's passed."""
-        self._confirm_left, self._since_audit = self._confirm_left - 1, 0
+        self._confirm_left -= 1
+        self._audits.checked()
         if value is not None:
             self.report.audits += 1
             previous = self.report.optimizer_parity_err

@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_cudagraph._lightning import set_closure_result, step_loss
+from lightning_cudagraph.cadence import AuditCadence
 from lightning_cudagraph.drivers.accumulation import Place
 from lightning_cudagraph.drivers.shadow import compare
 from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
@@ -31,7 +32,8 @@ class StepReplays:
         machine: Rolls back when a shadow step disagrees.
         optimizers: Refreshed before each replay.
         flags: The captured step's non-finite flags (the step number is written before each replay).
-        audit_every: ``audit_every_n_steps`` (``None`` or 0: no audit after confirmation).
+        audit_every: ``audit_every_n_steps`` (``None`` or 0: no audit after confirmation); audits start dense
+            (:class:`~lightning_cudagraph.cadence.AuditCadence`).
 
     Example:
         >>> replays = StepReplays(machine, optimizers, flags, audit_every=None)  # doctest: +SKIP
@@ -43,15 +45,13 @@ class StepReplays:
     ) -> None:
         self.machine, self.optimizers, self.flags = machine, optimizers, flags
         self.report = machine.report
-        self._audit_every = audit_every or 2**62
-        self._since_audit = 0
+        self.audits = AuditCadence(audit_every)
         #: The first step the next non-finite check covers.
         self.checked_until = 0
 
     def audit_due(self) -> bool:
         """Count a replayed step; whether it is the one to check with a shadow step."""
-        self._since_audit += 1
-        return self._since_audit >= self._audit_every
+        return self.audits.due()
 
     def replay(
         self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any, reissue: bool = True, steps: bool = True
@@ -93,7 +93,8 @@ class StepReplays:
         runs eagerly: that is the step training keeps, so a graph that fails the check never touched the weights.
         One host sync, for the decision.
         """
-        whole.shadowed, self._since_audit = True, 0
+        whole.shadowed = True
+        self.audits.checked()
         graphed = self.replay(whole, trainer, closure, module, reissue=False, steps=place.steps)
         graph_loss, graph_params = step_loss(graphed), state.parameters_now()
         graph_grads = None if place.steps else state.gradients_now()
