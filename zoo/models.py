@@ -466,6 +466,66 @@ def build_device_views(ctx: BuildContext) -> Built:
     return Built(ZooModule(_mlp(), _classification_loss, _adamw()), loader, [inputs, labels])
 
 
+class PythonStep(ZooModule):
+    """The device MLP with per-step Python in ``training_step``, as users write it.
+
+    ``kind``: ``"skip"`` (every fourth batch returns ``None``), ``"annealed"`` (a loss weight read from
+    ``self.global_step``), ``"epoch_branch"`` (an L2 term from the second epoch on) or ``"outputs_counter"`` (the
+    losses appended to a list read in ``on_train_epoch_end``, and a call counter). The Python state a user would read
+    after the fit (the counter, the epoch means) is copied into the buffer ``python_state``, which the zoo compares.
+    """
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(_mlp(), _classification_loss, _adamw())
+        self.kind = kind
+        self.calls = 0
+        self.epoch_outputs: list[Tensor] = []
+        self.epoch_means: list[float] = []
+        self.register_buffer("python_state", torch.zeros(16, dtype=torch.float64))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        self.batch_sums.index_copy_(0, self._slot, checksum(batch_tensors(batch)).view(1))
+        if self.kind == "skip" and batch_idx % 4 == 3:
+            return None
+        loss = self._loss(self, batch)
+        if self.kind == "annealed":
+            loss = loss * (1.0 if self.global_step < 8 else 0.1)
+        elif self.kind == "epoch_branch" and self.current_epoch >= 1:
+            loss = loss + 1e-2 * self.net[0].weight.pow(2).sum()
+        elif self.kind == "outputs_counter":
+            self.calls += 1
+            self.epoch_outputs.append(loss.detach())
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if outputs is None or (isinstance(outputs, Mapping) and "loss" not in outputs):
+            self.step_losses.append(torch.zeros((), device=self.device))  # a skipped batch
+            return
+        super().on_train_batch_end(outputs, batch, batch_idx)
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        if self.epoch_outputs:
+            self.epoch_means.append(float(torch.stack(self.epoch_outputs).mean()))
+            self.epoch_outputs.clear()
+        values = [float(self.calls), *self.epoch_means][: self.python_state.numel()]
+        self.python_state[: len(values)] = torch.tensor(values, dtype=torch.float64)
+
+
+def build_python_step(kind: str) -> Callable[[BuildContext], Built]:
+    """A builder of :class:`PythonStep` of ``kind`` on the device ``TensorDataset`` (8 batches an epoch)."""
+
+    def build(ctx: BuildContext) -> Built:
+        inputs, labels = _device_tensors(ctx, 16 * 8)
+        loader = DataLoader(TensorDataset(inputs, labels), batch_size=16, shuffle=False)
+        return Built(PythonStep(kind), loader, [inputs, labels])
+
+    return build
+
+
 # -- vision ------------------------------------------------------------------------------------------------------
 def build_resnet18_cyclic(ctx: BuildContext) -> Built:
     """torchvision ``resnet18`` at 64x64 (BatchNorm), SGD with ``CyclicLR`` cycling momentum (interval ``step``)."""
@@ -610,6 +670,14 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("bert_cls_padding", HF, "DataCollatorWithPadding, sequence classifier, dropout 0.1", build_bert_padding),
     Entry("device_tensordataset", (), "TensorDataset on the device, batch_size 16, 8 epochs",
           build_device_tensordataset, layer_modules="net.*"),
+    Entry("python_skip", (), "training_step returns None on every fourth batch", build_python_step("skip"),
+          layer_modules="net.*"),
+    Entry("python_annealed", (), "a loss weight read from self.global_step", build_python_step("annealed"),
+          layer_modules="net.*"),
+    Entry("python_epoch_branch", (), "an L2 term from the second epoch on", build_python_step("epoch_branch"),
+          layer_modules="net.*"),
+    Entry("python_outputs_counter", (), "losses appended to a list read in on_train_epoch_end, a call counter",
+          build_python_step("outputs_counter"), layer_modules="net.*"),
     Entry("device_batch_views", (), "batches are views of a device dataset, 8 epochs", build_device_views,
           layer_modules="net.*"),
     Entry("gpt2_onecycle_clip", HF, "OneCycleLR (betas cycle) + gradient_clip_val=1.0", build_gpt2_onecycle, clip=1.0),
