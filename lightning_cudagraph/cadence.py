@@ -8,7 +8,7 @@ count. Every kind of graph (the whole step, regions, the optimizer update) keeps
 
 from __future__ import annotations
 
-__all__ = ["AuditCadence", "FIRST_INTERVAL"]
+__all__ = ["FIRST_INTERVAL", "AuditCadence"]
 
 #: Replayed steps before the first audit after a capture; each later interval doubles up to ``audit_every_n_steps``.
 FIRST_INTERVAL = 2

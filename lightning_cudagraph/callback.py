@@ -197,9 +197,7 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         self.rollout.batch_end(trainer, pl_module, outputs)
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.rollout.before_optimizer_step()
 
     @override

@@ -197,8 +197,10 @@ class Observer:
 
     @contextlib.contextmanager
     def _logs_untraced(self, module: pl.LightningModule | None, excused: set[str]) -> Iterator[None]:
-        """``self.log`` left out: replays re-issue its calls, so what they change (Lightning's results, set up anew
-        each epoch; a counter in a user's ``log`` override) is no frozen Python; the names they change are excused.
+        """``self.log`` left out of the trace, and the attributes it changes excused.
+
+        Replays re-issue ``self.log`` calls, so what they change (Lightning's results, set up anew each epoch; a
+        counter in a user's ``log`` override) is no frozen Python.
         """
         if module is None or "log" in vars(module):
             yield
@@ -305,12 +307,52 @@ def _watching(name: str) -> Callable[..., Any]:
     return method
 
 
-for _name in (
-    "__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __hash__ __bool__ __index__ __int__ __float__ __str__ __repr__"
-    " __format__ __neg__ __pos__ __abs__ __round__ __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__"
-    " __rtruediv__ __floordiv__ __rfloordiv__ __mod__ __rmod__ __divmod__ __rdivmod__ __pow__ __rpow__ __and__"
-    " __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__ __rlshift__ __rshift__ __rrshift__"
-).split():
+for _name in [
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__hash__",
+    "__bool__",
+    "__index__",
+    "__int__",
+    "__float__",
+    "__str__",
+    "__repr__",
+    "__format__",
+    "__neg__",
+    "__pos__",
+    "__abs__",
+    "__round__",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__rmod__",
+    "__divmod__",
+    "__rdivmod__",
+    "__pow__",
+    "__rpow__",
+    "__and__",
+    "__rand__",
+    "__or__",
+    "__ror__",
+    "__xor__",
+    "__rxor__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
+]:
     setattr(_WatchedIndex, _name, _watching(_name))
 
 

@@ -45,6 +45,8 @@ class CapturePlan:
     batch: tuple[Any, ...] = ()
     unstable: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    #: Targets whose forward's Python a graph would freeze, with why (left eager for the rest of the fit).
+    python: dict[str, str] = field(default_factory=dict)
 
 
 class WarmupRecorder:
@@ -181,7 +183,9 @@ class WarmupRecorder:
                 continue
             python = _python_problem([step.behaviours[index] for step in steps if index in step.behaviours])
             if python is not None:
-                plan.skipped[target.name] = f"its forward's Python {python}, which a graph would freeze"
+                plan.python[target.name] = plan.skipped[target.name] = (
+                    f"step_python: its forward's Python {python}, which a graph would freeze"
+                )
                 continue
         order = [i for i, _ in last.calls if target_name(self._targets, i) not in plan.skipped and i not in excluded]
         for index in order:
@@ -196,8 +200,11 @@ class WarmupRecorder:
 
 
 def _python_problem(behaviours: list[Behaviour]) -> str | None:
-    """What a region's recorded calls show that a graph would freeze: a draw, or (after the first call, which may set
-    things up) an attribute it changes or other operations than the second call launched."""
+    """What a region's recorded calls show that a graph would freeze, or ``None``.
+
+    A draw counts in any call; after the first call (which may set things up), an attribute it changes, or other
+    operations than the second call launched.
+    """
     for index, behaviour in enumerate(behaviours):
         found = behaviour.depends() or (behaviour.changes() if index else None)
         if found is None and index >= 2:

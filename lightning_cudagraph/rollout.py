@@ -32,10 +32,11 @@ from lightning_cudagraph.factory import DriverFactory
 from lightning_cudagraph.fit_log import FitLog
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
+from lightning_cudagraph.graphs.optimizers import describe_step_hooks
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 from lightning_cudagraph.observation import Observer
 from lightning_cudagraph.stages import StageMachine
-from lightning_cudagraph.step_python import StepPython, optimizer_hooks, step_python_reason
+from lightning_cudagraph.step_python import StepPython, step_python_reason
 
 #: No step is to be observed.
 _UNOBSERVED = object()
@@ -249,7 +250,7 @@ class Rollout:
         """Optimizer step hooks run once at a whole-step capture and never on replay: no whole step for this fit."""
         if self.climb is None or not any(level.whole_step for level in self.climb.ladder.to_try):
             return
-        hooks = next(filter(None, map(optimizer_hooks, trainer.optimizers)), None)
+        hooks = next(filter(None, map(describe_step_hooks, trainer.optimizers)), None)
         if hooks is None:
             return
         self.step_python.problem = reason = step_python_reason(

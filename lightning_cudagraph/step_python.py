@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
-from torch.optim import optimizer as _optimizer_module
 
 from lightning_cudagraph._lightning import step_loss
 from lightning_cudagraph.observation import Behaviour, Observer, watched_index
 
-__all__ = ["StepPython", "optimizer_hooks", "step_python_reason"]
+__all__ = ["StepPython", "step_python_reason"]
 
 #: Where the graph-safe way to feed a per-step value to a captured step is documented.
 DOCS = "docs/python.md"
@@ -70,8 +70,8 @@ class StepPython:
 
     def run(self, key: Any, module: torch.nn.Module, epoch: int, run_step: Callable[[], Any]) -> Any:
         """Run one eager optimizer step under observation; what it shows may set :attr:`problem`."""
-        reader = module if hasattr(module, "_trainer") else None
-        with self.observer.span([module], reader=reader, paused=True) as seen:  # type: ignore[arg-type]
+        reader = module if isinstance(module, pl.LightningModule) else None
+        with self.observer.span([module], reader=reader, paused=True) as seen:
             self._current = seen
             try:
                 output = run_step()
@@ -101,8 +101,10 @@ class StepPython:
             self.observer.pause()
 
     def _judge(self, key: Any, seen: Behaviour) -> None:
-        """A read, a draw or a skip counts in any step; changes count after the set-up steps, and operations are
-        compared with the first step after them.
+        """Weigh one observed step.
+
+        A read, a draw or a skip counts in any step; changes count after the set-up steps, and operations are compared
+        with the first step after them.
         """
         count = self._seen[key] = self._seen.get(key, 0) + 1
         reference = self._reference.setdefault(key, seen) if count > self.setup_steps else None
@@ -149,25 +151,3 @@ def step_python_reason(found: str, fix: str) -> str:
         f"step_python: {found}; a whole-step graph runs none of the step's Python, so every replay would repeat"
         f" what the captured step decided. Fix: {fix}"
     )
-
-
-def optimizer_hooks(optimizer: torch.optim.Optimizer) -> str | None:
-    """The optimizer step hooks a captured optimizer step would never run again, described; ``None`` without.
-
-    Example:
-        >>> import torch
-        >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-        >>> optimizer_hooks(optimizer) is None
-        True
-        >>> _ = optimizer.register_step_post_hook(lambda *args: None)
-        >>> optimizer_hooks(optimizer)
-        'SGD has 1 step post-hook(s)'
-    """
-    counts = [
-        (len(optimizer._optimizer_step_pre_hooks), "step pre-hook(s)"),
-        (len(optimizer._optimizer_step_post_hooks), "step post-hook(s)"),
-        (len(_optimizer_module._global_optimizer_pre_hooks), "global step pre-hook(s)"),
-        (len(_optimizer_module._global_optimizer_post_hooks), "global step post-hook(s)"),
-    ]
-    found = [f"{count} {what}" for count, what in counts if count]
-    return f"{type(optimizer).__name__} has {', '.join(found)}" if found else None

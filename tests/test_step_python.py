@@ -242,9 +242,7 @@ CASES = {
     "second_forward": Case(SecondForward),
     "flag_flipped_at_epoch": Case(Flagged, callbacks=lambda: [FlipFlagAtEpoch()], state=lambda model: model.l2),
     "mode_flipped_at_epoch": Case(Constant, callbacks=lambda: [FirstBlockEvalAtEpoch()], options={"dropout": 0.1}),
-    "hook_added_mid_fit": Case(
-        Constant, callbacks=lambda: [HookInsideALayerAt(6, "hook")], scoped_keeps_graphs=False
-    ),
+    "hook_added_mid_fit": Case(Constant, callbacks=lambda: [HookInsideALayerAt(6, "hook")], scoped_keeps_graphs=False),
     "forward_set_mid_fit": Case(
         Constant, callbacks=lambda: [HookInsideALayerAt(6, "forward")], scoped_keeps_graphs=False
     ),
@@ -420,3 +418,71 @@ def test_a_weight_kept_in_a_device_tensor_keeps_the_whole_step_and_anneals():
     assert_same_training(expected, outcome)
     assert outcome.report.stage == Stage.REPLAYING and outcome.report.rollbacks == 0, outcome.report.reason
     assert outcome.report.replays > STEPS // 2
+
+
+# =================================================================== regions, and no false alarm
+class StochasticDepth(torch.nn.Module):
+    """A block skipped at random in training, by Python's ``random`` in its forward (a layer drop)."""
+
+    def __init__(self, block: torch.nn.Module, p: float) -> None:
+        super().__init__()
+        self.block, self.p = block, p
+
+    def forward(self, x):
+        if self.training and random.random() < self.p:
+            return x
+        return self.block(x)
+
+
+class LayerDrop(DecoderModule):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model.blocks[1] = StochasticDepth(self.model.blocks[1], p=0.5)
+
+
+def test_a_region_whose_forward_draws_from_python_random_stays_eager_and_the_others_keep_graphs():
+    expected = run_case(Case(LayerDrop), None)
+    callback = CUDAGraphCallback(scope=["layer"], modules={"layer": "model.blocks.*"}, warmup_steps=3)
+    callback.capture_backend = backend = FakeBackend()
+    model, data = decoder(TINY, LayerDrop, **TINY_DATA)
+    observed = Observed()
+    trainer(STEPS, [observed, callback], **CPU).fit(model, data)
+    assert_same_training(expected, Outcome(observed.losses, observed.logged, parameters_of(model), None))
+    report = callback.report
+    assert report.stage == Stage.REPLAYING, report.reason
+    assert [region.name for region in backend.regions] == ["model.blocks.0"]
+    assert "Python's random" in report.exclusions.get("model.blocks.1", ""), report.exclusions
+
+
+def test_the_examples_gpt_captures_whole_with_its_logs():
+    from examples.gpt import GPTModule, TokenDataModule
+
+    size = {"vocab_size": 64, "seq_len": 16}
+    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=3)
+    strategy.capture_backend = FakeBackend()
+    pl.seed_everything(0, verbose=False)
+    model = GPTModule(**size, n_layer=2, width=32, heads=2)
+    data = TokenDataModule(**size, batch_size=4, train_samples=256, val_samples=16)
+    fit = trainer(24, [], strategy=strategy, **CPU)
+    fit.fit(model, data)
+    report = graph_callback(fit).report
+    assert report.stage == Stage.REPLAYING and report.rollbacks == 0, report.reason
+    assert report.steps_replayed >= 24 - 3 - 2
+
+
+class StepHookedLater(pl.Callback):
+    """Registers an optimizer step post-hook once the whole step replays."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+def test_an_optimizer_step_hook_added_after_capture_rolls_back_before_a_replay_skips_it():
+    hooked = StepHookedLater(6)
+    outcome = run_case(Case(Constant, callbacks=lambda: [hooked]), "cudagraph_full")
+    assert outcome.report.stage == Stage.DISABLED and "hook" in outcome.report.reason, outcome.report.reason
+    assert hooked.calls == STEPS - 6, "the hook ran on every step from its registration, as without the package"

@@ -4,8 +4,8 @@ A confirming step replays each region's forward beside the eager forward on the 
 tensors' addresses and records the order backward graphs ran in (:mod:`lightning_cudagraph.drivers.routing`). Here
 those findings decide: a region that disagrees with eager is excluded (the same ones on every rank), a wrong backward
 order or a moved parameter rolls back, and the stage machine confirms once a step ran on graphs forward and
-backward. An audit is the same check of one region again: dense right after capture, then every ``audit_every_n_steps`` replayed
-steps (:mod:`lightning_cudagraph.cadence`).
+backward. An audit is the same check of one region again: dense right after capture, then every
+``audit_every_n_steps`` replayed steps (:mod:`lightning_cudagraph.cadence`).
 """
 
 from __future__ import annotations

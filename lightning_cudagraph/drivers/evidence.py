@@ -35,8 +35,10 @@ def relative_error(reference: Sequence[Tensor], other: Sequence[Tensor]) -> Tens
 
 
 class StateWatch:
-    """What the graphs were captured with: which parameters trained, where every parameter and buffer lives, and the
-    modes, hooks and attributes of the modules inside them.
+    """What the graphs were captured with: the parameters, buffers and modules they hold, as they were then.
+
+    It remembers which parameters trained, where every parameter and buffer lives, and the modes, hooks and
+    attributes of the modules inside the graphs.
 
     Checked before each step that replays (host-side flags, data pointers and dictionary sizes, no device sync): a
     parameter whose ``requires_grad`` changed would get no gradient from the graphs, a parameter or buffer rebound to

@@ -28,7 +28,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.optim import optimizer as _optimizer_module
 
 from lightning_cudagraph.cadence import AuditCadence
 from lightning_cudagraph.config import CUDAGraphConfig
@@ -36,7 +35,7 @@ from lightning_cudagraph.drivers.shadow import SHADOW_TOL
 from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
 from lightning_cudagraph.drivers.step_replay import run_eagerly
 from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
-from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
+from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS, describe_step_hooks
 from lightning_cudagraph.snapshot import TrainingState
 from lightning_cudagraph.stages import StageMachine
 
@@ -336,10 +335,9 @@ def _unfit(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> str | None:
         return (
             "16-mixed's GradScaler reads found_inf on the host in its step; use bf16-mixed to graph the optimizer step"
         )
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return "the optimizer has step hooks, which a replay would not run"
-    if _optimizer_module._global_optimizer_pre_hooks or _optimizer_module._global_optimizer_post_hooks:
-        return "optimizer step hooks are registered globally, which a replay would not run"
+    hooks = describe_step_hooks(optimizer)
+    if hooks is not None:
+        return f"{hooks}, which a replay would not run"
     if any(group.get("differentiable") for group in optimizer.param_groups):
         return "differentiable=True"
     return None

@@ -67,10 +67,13 @@ class GraphSetCapture:
         """Plan the capture from the shape's recorded steps and capture it; the first shape starts confirmation."""
         first = self.machine.stage == Stage.WARMUP
         plan = self.recorder.plan(excluded=self.regions.left_out(), batch=batch)
+        for name, why in plan.python.items():  # the same forward would vary again: eager for the rest of the fit
+            self.regions.exclude(name, why)
         if plan.unstable is not None or not plan.calls:
             self._not_capturable(batch, plan, outcome.reason)
             return None
-        say_what_stays_eager(self.component, self.regions.active_targets, plan.skipped)
+        left_out = {name: why for name, why in plan.skipped.items() if name not in plan.python}  # those warned above
+        say_what_stays_eager(self.component, self.regions.active_targets, left_out)
         if not self._capture(batch, plan, outcome, method):
             return None
         if first:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lightning_cudagraph.graphs.backend import CaptureBackend, PreparedOptimizer
-from lightning_cudagraph.graphs.optimizers import OptimizerSettings
+from lightning_cudagraph.graphs.optimizers import OptimizerSettings, describe_step_hooks, step_hooks
 
 
 class StepOptimizers:
@@ -33,6 +33,7 @@ class StepOptimizers:
         #: The optimizers as the user holds them, and their settings when graphs were captured (or at start).
         self.user: list[torch.optim.Optimizer] = []
         self._settings: dict[int, OptimizerSettings] = {}
+        self._hooks: dict[int, tuple[int, int, int, int]] = {}
 
     def prepare(self, optimizer: torch.optim.Optimizer) -> None:
         """Switch ``optimizer`` to its capturable form, once for the fit."""
@@ -40,10 +41,17 @@ class StepOptimizers:
             self.prepared[id(optimizer)] = self._backend.prepare_optimizer(optimizer)
             self.user.append(optimizer)
             self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
+            self._hooks[id(optimizer)] = step_hooks(optimizer)
 
     def settings_problem(self) -> str | None:
         """A rollback reason when an optimizer setting a graph bakes in (all but ``lr``) moved since capture."""
         for optimizer in self.user:
+            if step_hooks(optimizer) != self._hooks[id(optimizer)]:
+                return (
+                    f"step_python: {describe_step_hooks(optimizer) or 'an optimizer step hook was removed'} since the"
+                    " whole step was captured, and a replay runs no hook. Fix: register hooks before the fit, or use"
+                    " a scoped level (strategy='cudagraph' or scope=['layer']), whose optimizer step runs eagerly"
+                )
             change = self._settings[id(optimizer)].change(OptimizerSettings.of(optimizer))
             if change is not None:
                 return (
@@ -58,6 +66,7 @@ class StepOptimizers:
         """A graph was captured: its settings are what later steps are held to."""
         for optimizer in self.user:
             self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
+            self._hooks[id(optimizer)] = step_hooks(optimizer)
 
     def refresh(self) -> None:
         """Before a replay: take user-assigned hyperparameters (``lr``) into the captured state (no host sync)."""

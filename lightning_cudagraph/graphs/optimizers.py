@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import optimizer as _optimizer_module
 
 #: Optimizer classes whose capturable (or fused) step reads a tensor learning rate.
 CAPTURABLE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -177,3 +178,29 @@ def _equal(a: Any, b: Any) -> bool:
         return bool(a == b)
     except (RuntimeError, TypeError, ValueError):
         return False
+
+
+def step_hooks(optimizer: torch.optim.Optimizer) -> tuple[int, int, int, int]:
+    """How many step pre- and post-hooks ``optimizer`` runs, its own and global (a replay runs none of them)."""
+    return (
+        len(optimizer._optimizer_step_pre_hooks),
+        len(optimizer._optimizer_step_post_hooks),
+        len(_optimizer_module._global_optimizer_pre_hooks),
+        len(_optimizer_module._global_optimizer_post_hooks),
+    )
+
+
+def describe_step_hooks(optimizer: torch.optim.Optimizer) -> str | None:
+    """The step hooks a captured optimizer step would never run again, described; ``None`` without.
+
+    Example:
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> describe_step_hooks(optimizer) is None
+        True
+        >>> _ = optimizer.register_step_post_hook(lambda *args: None)
+        >>> describe_step_hooks(optimizer)
+        'SGD has 1 step post-hook(s)'
+    """
+    names = ("step pre-hook(s)", "step post-hook(s)", "global step pre-hook(s)", "global step post-hook(s)")
+    found = [f"{count} {name}" for count, name in zip(step_hooks(optimizer), names, strict=True) if count]
+    return f"{type(optimizer).__name__} has {', '.join(found)}" if found else None
