@@ -6,6 +6,7 @@ scalar; none synchronizes with the device.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -81,13 +82,12 @@ class StateWatch:
         self._flags = [trainable for _, _, trainable, _ in self._watched]
         self._addresses = [address for _, _, _, address in self._watched]
         self._modules = list(modules)
-        self._modes = self._modes_now()
-        self._dicts = [d for _, module, _ in self._modules for d in _hook_dicts(module)]
+        self._inside = [module for _, module, _ in self._modules]
+        self._modes = list(map(_TRAINING, self._inside))
+        self._region_modes = [region.training if region is not None else None for _, _, region in self._modules]
+        self._dicts = [d for module in self._inside for d in _hook_dicts(module)]
         self._lengths = [len(d) for d in self._dicts]
         self._sizes = sum(self._lengths)
-
-    def _modes_now(self) -> list[bool]:
-        return [m.training if r is None else m.training == r.training for _, m, r in self._modules]
 
     def problem(self) -> str | None:
         """A rollback reason if a tensor's trainability or storage changed since :meth:`watch`, else ``None``."""
@@ -107,11 +107,19 @@ class StateWatch:
 
     def _module_problem(self) -> str | None:
         """A rollback reason if a watched module changed mode, or got hooks, attributes or a forward of its own."""
-        modes = self._modes_now()
-        if modes == self._modes and sum(map(len, self._dicts)) == self._sizes:
+        # Checked before every replayed step: two passes in C over the modules, the named search only on a change.
+        if list(map(_TRAINING, self._inside)) == self._modes and sum(map(len, self._dicts)) == self._sizes:
             return None
-        for (name, module, _), now, then in zip(self._modules, modes, self._modes, strict=True):
-            if now != then:
+        for (name, module, region), then, region_then in zip(
+            self._modules, self._modes, self._region_modes, strict=True
+        ):
+            # Inside a region, the mode counts against the region's own (one switched as a whole falls back by itself).
+            moved = (
+                module.training != then
+                if region is None
+                else (module.training == region.training) != (then == region_then)
+            )
+            if moved:
                 mode = "train" if module.training else "eval"
                 return (
                     f"module_changed: {name} went to {mode} mode since capture; the graphs replay the mode they were"
@@ -128,6 +136,7 @@ class StateWatch:
 
 
 _HOOK_DICTS = 5
+_TRAINING = operator.attrgetter("training")
 
 
 def _hook_dicts(module: torch.nn.Module) -> list[dict[Any, Any]]:
