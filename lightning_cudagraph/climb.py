@@ -37,7 +37,10 @@ from lightning_cudagraph.stages import StageMachine
 from lightning_cudagraph.step_times import FitSteps, LevelRun
 from lightning_cudagraph.timing import StepTimer, median
 
-__all__ = ["Climb", "MakeDriver", "RunningFit"]
+__all__ = ["PYTHON_REASONS", "Climb", "MakeDriver", "RunningFit"]
+
+#: Failures of a settled whole step that a level running the step's Python every step does not have.
+PYTHON_REASONS = ("step_python", "skipped_step")
 
 #: Builds a level's driver: the level, its settings, and what runs right before its first capture.
 MakeDriver = Callable[[Level, LevelSettings, Callable[[], None]], Driver]
@@ -250,10 +253,16 @@ class Climb:
             self._switch(level)
 
     def _level_failed(self, reason: str) -> bool:
-        """A level failed while climbing: try the next level, or go back to the best one confirmed (``False``: none)."""
+        """A level failed while climbing: try the next level, or go back to the best one confirmed (``False``: none).
+
+        Settled on the whole step, a step whose Python changed (an epoch, a callback) goes down to the widest level
+        that runs that Python, checked against eager training there.
+        """
         fit = self._running
-        if self.ladder.settled or fit is None:
+        if fit is None:
             return False
+        if self.ladder.settled:
+            return self._step_down(fit, reason)
         failed = self.ladder.row.level
         self._note_capture_time()
         level = self.ladder.failed(reason)
@@ -265,6 +274,22 @@ class Climb:
             else f"tries {level.name!r} next"
         )
         rank_zero_warn(f"{self.component}: level {failed!r} of scope='auto' failed ({reason}); training {where}")
+        fit.driver.release()
+        self._pending = level
+        return True
+
+    def _step_down(self, fit: RunningFit, reason: str) -> bool:
+        """The settled whole step can no longer hold the step's Python: settle on the widest level below it."""
+        current = self.ladder.current
+        if not self.ladder.climbs or current is None or not current.whole_step or not reason.startswith(PYTHON_REASONS):
+            return False  # a fixed scope has no level to go to
+        level = self.ladder.step_down(reason)
+        if level is None:
+            return False
+        rank_zero_warn(
+            f"{self.component}: the whole step of scope='auto' can no longer hold the step's Python ({reason});"
+            f" training goes down to {level.name!r}"
+        )
         fit.driver.release()
         self._pending = level
         return True

@@ -248,6 +248,24 @@ class Ladder:
             return self.current
         return self._settle()
 
+    def step_down(self, reason: str) -> Level | None:
+        """The settled whole step failed for a reason the other levels do not have: the widest of them, settled on.
+
+        Its time is checked once more against eager training (as any level settled on is). ``None``: no level left.
+        """
+        row = self.row
+        row.status, row.reason = "failed", reason
+        below = [level for level in self._walk[self._position + 1 :] if not level.whole_step]
+        if not below:
+            return None
+        level = below[0]
+        self._best, self.best_ms = level, self._rows[level.name].step_ms
+        self._position = self._walk.index(level)
+        self._rows[level.name].status = "kept"
+        self._rows[level.name].reason = "the whole step could no longer hold the step's Python"
+        self.report.level = level.name
+        return level
+
     def _settle(self) -> Level | None:
         self.settled = True
         if self._best is None:

@@ -486,3 +486,40 @@ def test_an_optimizer_step_hook_added_after_capture_rolls_back_before_a_replay_s
     outcome = run_case(Case(Constant, callbacks=lambda: [hooked]), "cudagraph_full")
     assert outcome.report.stage == Stage.DISABLED and "hook" in outcome.report.reason, outcome.report.reason
     assert hooked.calls == STEPS - 6, "the hook ran on every step from its registration, as without the package"
+
+
+class FlipFlagAtEpochFour(pl.Callback):
+    """Sets ``pl_module.l2`` from the fifth epoch on, once ``scope="auto"`` has settled."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch >= 4:
+            pl_module.l2 = True
+
+
+def test_auto_settled_on_the_whole_step_goes_down_a_level_when_an_epoch_changes_the_steps_python():
+    case = Case(Flagged, callbacks=lambda: [FlipFlagAtEpochFour()], state=lambda model: model.l2)
+    steps = 96
+    model, data = decoder(TINY, Flagged, **TINY_DATA)
+    expected_observed, observed = Observed(), Observed()
+    trainer(steps, [expected_observed, *case.callbacks()], **CPU).fit(model, data)
+    expected = Outcome(expected_observed.losses, expected_observed.logged, parameters_of(model), model.l2)
+    model, data = decoder(TINY, Flagged, **TINY_DATA)
+    strategy = CUDAGraphStrategy(warmup_steps=WARMUP)
+    strategy.capture_backend = FakeBackend(step_ms=timed_by_level(LEVEL_MS))
+    fit = trainer(steps, [observed, *case.callbacks()], strategy=strategy, **CPU)
+    levels: list[str | None] = []
+    fit.callbacks.append(LevelAtEpochStart(levels))
+    fit.fit(model, data)
+    assert_same_training(expected, Outcome(observed.losses, observed.logged, parameters_of(model), model.l2))
+    report = graph_callback(fit).report
+    assert levels[4] == "full_iteration", f"the fit had not settled on the whole step before the flip: {levels}"
+    assert report.stage == Stage.REPLAYING and report.level not in (None, "full_iteration"), report.ladder
+    assert any("step_python" in (row.reason or "") for row in report.ladder if row.level == "full_iteration")
+
+
+class LevelAtEpochStart(pl.Callback):
+    def __init__(self, levels: list[str | None]) -> None:
+        self.levels = levels
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.levels.append(graph_callback(trainer).report.level)

@@ -106,3 +106,15 @@ def test_one_entry_end_to_end_flags_a_wrong_graph_and_passes_a_right_one(monkeyp
     markdown = zoo_section(record)
     assert "**graphs-WRONG**" in markdown and "graphs-ok" in markdown
     assert "off eager: device_tensordataset" in zoo_summary(record)
+
+
+def test_the_whole_step_keeps_a_constant_step_and_leaves_out_steps_whose_python_varies():
+    """``strategy="cudagraph_full"`` on the zoo's device MLP (no false alarm) and its entries with per-step Python."""
+    settings = zoo.Settings(device="cpu", capture_backend="fake", steps=12, timed=4, window=2)
+    names = ["device_tensordataset", "python_skip", "python_annealed", "python_epoch_branch", "python_outputs_counter"]
+    quiet = lambda line: None  # noqa: E731
+    runs = {entry.name: zoo.run_entry(entry, ["full"], settings, say=quiet) for entry in entries_named(names)}
+    classes = {name: record["runs"][0]["class"] for name, record in runs.items()}
+    assert classes == {"device_tensordataset": "graphs-ok", **dict.fromkeys(names[1:], "eager-with-reason")}, classes
+    for name in names[1:]:
+        assert "step_python" in runs[name]["runs"][0]["reason"], runs[name]["runs"][0]["reason"]
