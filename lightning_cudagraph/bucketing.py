@@ -47,8 +47,10 @@ def bucket_length(length: int, buckets: Sequence[int] | None = None, multiple: i
 class PadToBucket:
     """A ``collate_fn`` that pads every sample's tensors to one bucket length, then stacks them.
 
-    Each sample is a mapping or a sequence of tensors whose first dimension is the length (token ids, labels, an
-    attention mask). The batch is padded to the bucket of its longest sample.
+    Each sample is a mapping, a sequence (a tuple, a list, a namedtuple) or a single tensor whose first dimension is
+    the length (token ids, labels, an attention mask). The batch is padded to the bucket of its longest sample. A
+    field of strings (a Hugging Face ``text`` column) is kept as a list of the samples' strings, as Lightning's default
+    collate keeps it.
 
     Args:
         buckets: Allowed lengths, e.g. ``[64, 128, 256, 512]``.
@@ -76,6 +78,15 @@ class PadToBucket:
             raise config_error(
                 "PadToBucket", "buckets/multiple", (buckets, multiple), "exactly one of them", "pass buckets=[...]"
             )
+        if isinstance(buckets, str):
+            lengths = [part.strip() for part in buckets.replace(";", ",").split(",") if part.strip()]
+            raise config_error(
+                "PadToBucket",
+                "buckets",
+                buckets,
+                "a list of increasing positive integer lengths",
+                f"pass a list, e.g. buckets={[int(p) if p.isdigit() else p for p in lengths]!r}",
+            )
         if buckets is not None and not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets):
             raise config_error(
                 "PadToBucket",
@@ -99,25 +110,68 @@ class PadToBucket:
                     "keys that are field names (mapping samples) or positions (sequence samples)",
                     "pass e.g. pad_values={'labels': -100} or pad_values={1: -100}",
                 )
+        for key, value in (pad_values or {}).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise config_error(
+                    "PadToBucket",
+                    "pad_values",
+                    dict(pad_values or {}),
+                    "a number per field (an integer for integer fields such as token ids and labels)",
+                    f"pass a number for {key!r}, e.g. pad_values={{{key!r}: -100}}",
+                )
         self.buckets = list(buckets) if buckets is not None else None
         self.multiple = multiple
         self.pad_values = dict(pad_values or {})
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         """Pad and stack ``samples``; a ``pad_values`` key that names no field of them is refused."""
+        if not samples:
+            raise ValueError(
+                "PadToBucket: got no samples to collate. Fix: a DataLoader batch holds at least one sample"
+            )
         first = samples[0]
+        if isinstance(first, Tensor):  # bare token tensors: one field
+            return self._stack([{0: sample} for sample in samples], [0])[0]
         fields = list(first) if isinstance(first, Mapping) else list(range(len(first)))
         self._check_pad_keys(first, fields)
-        longest = max(_length(sample[name]) for sample in samples for name in fields)
+        for index, sample in enumerate(samples):
+            missing = [name for name in fields if name not in sample] if isinstance(first, Mapping) else []
+            if missing or (not isinstance(first, Mapping) and len(sample) != len(fields)):
+                raise ValueError(
+                    f"PadToBucket: sample {index} has other fields than sample 0 ({_fields(sample)} against"
+                    f" {fields}). Fix: give every sample the same fields (a collator pads them, it cannot invent them)"
+                )
+        padded = self._stack(samples, fields)
+        if isinstance(first, Mapping):
+            return padded
+        values = [padded[i] for i in fields]
+        return type(first)(*values) if hasattr(first, "_fields") else type(first)(values)
+
+    def _stack(self, samples: Sequence[Any], fields: list[Any]) -> dict[Any, Any]:
+        """Each field of ``samples`` padded to the batch's bucket and stacked (strings kept as a list)."""
+        text = {name for name in fields if isinstance(samples[0][name], str)}
+        tensors = [name for name in fields if name not in text]
+        longest = max((_length(sample[name]) for sample in samples for name in tensors), default=0)
         length = bucket_length(longest, self.buckets, self.multiple)
-        padded = {name: torch.stack([self._pad(sample[name], name, length) for sample in samples]) for name in fields}
-        return padded if isinstance(first, Mapping) else type(first)(padded[i] for i in fields)
+        stacked: dict[Any, Any] = {name: [sample[name] for sample in samples] for name in text}
+        for name in tensors:
+            stacked[name] = torch.stack([self._pad(sample[name], name, length) for sample in samples])
+        return {name: stacked[name] for name in fields}
 
     def _pad(self, value: Any, name: Any, length: int) -> Tensor:
         tensor = torch.as_tensor(value)
         if tensor.dim() == 0:
             return tensor
-        filler = tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), self.pad_values.get(name, 0))
+        pad = self.pad_values.get(name, 0)
+        if not tensor.is_floating_point() and not tensor.is_complex() and pad != int(pad):
+            raise config_error(
+                "PadToBucket",
+                "pad_values",
+                self.pad_values,
+                f"an integer pad value for the integer field {name!r} ({tensor.dtype})",
+                f"pass a whole number, e.g. pad_values={{{name!r}: {math.trunc(pad)}}}",
+            )
+        filler = tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), pad)
         return torch.cat([tensor, filler])
 
     def _check_pad_keys(self, first: Any, fields: list[Any]) -> None:
@@ -136,6 +190,10 @@ class PadToBucket:
                 else "pass positions the samples have"
             )
         raise config_error("PadToBucket", "pad_values", self.pad_values, allowed, fix)
+
+
+def _fields(sample: Any) -> list[Any]:
+    return list(sample) if isinstance(sample, Mapping) else list(range(len(sample)))
 
 
 def _whole(value: Any) -> Any:

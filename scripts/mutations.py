@@ -40,6 +40,7 @@ RUN_TIMEOUT_S = 420
 TEST_TIMEOUT_S = 240
 
 S = "tests/test_strict_scenarios.py::"
+P = "tests/test_step_python.py::"
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "strategy_base.py",
-        "            rollout.on_training_step_output(output)",
-        "            pass",
+        "        rollout.on_training_step_output(output)",
+        "        pass",
         "the captured training_step output is never kept: no loss for replayed steps, no in-graph NaN check",
         "tests/test_lifecycle_full.py::test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true",
     ),
@@ -609,6 +610,91 @@ MUTATIONS: list[Mutation] = [
         "from lightning_cudagraph.callback import CUDAGraphCallback as DDPCUDAGraphStrategy",
         "the strategies are not registered on import (Trainer(strategy='cudagraph') unknown)",
         "tests/test_strategies.py",
+    ),
+    # ------------------------------------------------------------------ the step's Python
+    m(
+        "observation.py",
+        "            reads.setdefault(name, where)",
+        "                pass",
+        "a loss weight read from self.global_step is frozen at capture: the whole step trains on the capture's weight",
+        P + "test_per_step_python_never_trains_off_eager",
+    ),
+    m(
+        "observation.py",
+        "            self._reads.setdefault(self._name, where)",
+        "            pass",
+        "a step that skips by batch_idx is captured whole: skipped batches replay as full updates",
+        P + "test_per_step_python_never_trains_off_eager",
+    ),
+    m(
+        "observation.py",
+        "            seen.random = [name for name, state in _random_states().items() if draws.get(name) != state]",
+        "            seen.random = []",
+        "a ratio drawn from Python's random is frozen at capture",
+        P + "test_per_step_python_never_trains_off_eager",
+    ),
+    m(
+        "step_python.py",
+        "            found = seen.changes() or _differs(reference, seen)",
+        "            found = _differs(reference, seen)",
+        "a counter or an outputs list in training_step silently stops under the whole step",
+        P + "test_per_step_python_never_trains_off_eager",
+    ),
+    m(
+        "step_python.py",
+        "        return self.problem is None and self._epoch is not None and epoch != self._epoch",
+        "        return False",
+        "a branch a callback flips at an epoch is replayed as captured (no re-check at epoch boundaries)",
+        P + "test_per_step_python_never_trains_off_eager",
+    ),
+    m(
+        "drivers/whole_step.py",
+        "        if step_loss(whole.output) is None:",
+        "        if False:",
+        "a whole step captured on a skipped batch replays a step that trains nothing, reported as replaying",
+        P + "test_a_whole_step_captured_on_a_skipped_batch_is_refused_at_capture",
+    ),
+    m(
+        "drivers/evidence.py",
+        "        if list(map(_TRAINING, self._inside)) == self._modes and sum(map(len, self._dicts)) == self._sizes:",
+        "        if True:",
+        "a hook or a mode switched inside the graphs mid-fit is ignored: replays run the module as captured",
+        P + "test_per_step_python_never_trains_off_eager",
+    ),
+    m(
+        "drivers/routing.py",
+        "        if again and entry is not None:",
+        "        if False:",
+        "a second call of a region in one step replays its graph again and overwrites the first call's activations",
+        P + "test_a_second_call_of_a_region_in_one_step_runs_eagerly_and_says_why",
+    ),
+    m(
+        "recording.py",
+        "            if python is not None:",
+        "            if False:",
+        "a region whose forward draws from Python's random is captured: every replay takes the capture's branch",
+        P + "test_a_region_whose_forward_draws_from_python_random_stays_eager_and_the_others_keep_graphs",
+    ),
+    m(
+        "drivers/step_optimizers.py",
+        "            if step_hooks(optimizer) != self._hooks[id(optimizer)]:",
+        "            if False:",
+        "an optimizer step hook registered after capture never runs on replayed steps",
+        P + "test_an_optimizer_step_hook_added_after_capture_rolls_back_before_a_replay_skips_it",
+    ),
+    m(
+        "cadence.py",
+        "        self._since, self._interval = 0, min(2 * self._interval, self.every)",
+        "        self._since, self._interval = 0, self.every",
+        "audits are not dense after capture: a wrong graph trains up to audit_every_n_steps steps before the check",
+        "tests/test_trust.py::test_a_right_graph_passes_its_shadow_step_and_the_audit_runs_at_its_interval",
+    ),
+    m(
+        "climb.py",
+        "            return self._step_down(fit, reason)",
+        "            return False",
+        "scope='auto' settled on the whole step goes eager for the rest of the fit when an epoch changes the step",
+        P + "test_auto_settled_on_the_whole_step_goes_down_a_level_when_an_epoch_changes_the_steps_python",
     ),
 ]
 

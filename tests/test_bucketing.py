@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -79,3 +81,54 @@ def test_variable_lengths_padded_to_two_buckets_replay_two_graph_sets():
     assert report.hit_rate > 0.8
     eager = fit(decoder(TINY, module=_MaskedLoss)[0], variable_length_loader(lengths, collate), 16, accelerator="cpu")
     assert_losses_close(eager.losses, run.losses, 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- borderline inputs
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        ({"buckets": "8,16"}, ["buckets='8,16'", "buckets=[8, 16]"]),
+        ({"buckets": [8], "pad_values": {"labels": "pad"}}, ["pad_values", "a number per field"]),
+        ({"buckets": [8], "pad_values": {"labels": float("nan")}}, ["pad_values", "a number per field"]),
+    ],
+)
+def test_string_buckets_and_pad_values_that_are_not_numbers_are_refused(options, fragments):
+    with pytest.raises(ValueError, match="PadToBucket") as error:
+        PadToBucket(**options)
+    for fragment in fragments:
+        assert fragment in str(error.value), str(error.value)
+
+
+def test_a_fractional_pad_value_on_an_integer_field_is_refused_not_rounded():
+    collate = PadToBucket(buckets=[8], pad_values={"labels": -100.5})
+    samples = [{"labels": torch.ones(3, dtype=torch.long)}]
+    with pytest.raises(ValueError, match=r"integer pad value for the integer field 'labels'.*-100"):
+        collate(samples)
+    floats = PadToBucket(buckets=[8], pad_values={"weights": 0.5})([{"weights": torch.ones(3)}])
+    assert floats["weights"][0, -1].item() == 0.5, "a float field takes a float pad value"
+
+
+def test_bare_token_tensors_namedtuples_and_text_fields_are_collated():
+    collate = PadToBucket(buckets=[8, 16])
+    tokens = collate([torch.ones(5, dtype=torch.long), torch.ones(9, dtype=torch.long)])
+    assert tokens.shape == (2, 16) and tokens[0, 5:].eq(0).all()
+
+    Pair = collections.namedtuple("Pair", ["ids", "labels"])
+    pairs = collate([Pair(torch.ones(3, dtype=torch.long), torch.ones(3, dtype=torch.long))])
+    assert isinstance(pairs, Pair) and pairs.ids.shape == (1, 8)
+
+    rows = collate(
+        [
+            {"input_ids": torch.ones(4, dtype=torch.long), "text": "a b c d"},
+            {"input_ids": torch.ones(2, dtype=torch.long), "text": "e f"},
+        ]
+    )
+    assert rows["text"] == ["a b c d", "e f"] and rows["input_ids"].shape == (2, 8)
+
+
+def test_an_empty_batch_and_samples_with_other_fields_get_a_clear_error():
+    collate = PadToBucket(buckets=[8])
+    with pytest.raises(ValueError, match="PadToBucket: got no samples"):
+        collate([])
+    with pytest.raises(ValueError, match=r"sample 1 has other fields than sample 0 \(\['input_ids'\] against"):
+        collate([{"input_ids": torch.ones(2), "labels": torch.ones(2)}, {"input_ids": torch.ones(2)}])
