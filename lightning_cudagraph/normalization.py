@@ -39,11 +39,26 @@ def compile_options(component: str, value: Any, scope: tuple[str, ...], impl: An
 
 
 def _check_inductor_options(component: str, value: Mapping[str, Any]) -> None:
-    """Unknown inductor options fail inside torch.compile at the first step, listing ~600 names: refuse them now."""
+    """Refuse unknown inductor options, and values of another type than inductor's, before the fit.
+
+    Either fails inside torch.compile at the first step, without naming ``compile=``.
+    """
     import torch._inductor  # imported only for a dict of options: it takes seconds
+    import torch._inductor.config as inductor_config
 
     known = torch._inductor.list_options()
-    for name in value["options"]:
+    defaults = inductor_config.get_config_copy()
+    for name, given in value["options"].items():
+        default = defaults.get(name)
+        if isinstance(default, (bool, int, float, str)) and not _same_kind(given, default):
+            expected = type(default).__name__
+            raise config_error(
+                component,
+                "compile",
+                dict(value),
+                f"options[{name!r}] of inductor's type {expected} (its default is {default!r})",
+                f"pass e.g. options={{{name!r}: {(not default) if isinstance(default, bool) else default!r}}}",
+            )
         if name not in known:
             close = difflib.get_close_matches(str(name), known, n=3, cutoff=0.6)
             hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "drop it"
@@ -54,6 +69,13 @@ def _check_inductor_options(component: str, value: Mapping[str, Any]) -> None:
                 f"options= names of inductor's config (torch._inductor.list_options(); {name!r} is not one)",
                 f"{hint} (e.g. options={{'max_autotune': True}})",
             )
+
+
+def _same_kind(given: Any, default: bool | int | float | str) -> bool:
+    """Whether ``given`` has the type of inductor's ``default`` (an int passes for a float; a bool only for a bool)."""
+    if isinstance(default, bool) or isinstance(given, bool):
+        return isinstance(given, bool) and isinstance(default, bool)
+    return isinstance(given, (int, float) if isinstance(default, float) else type(default))
 
 
 def normalize_scope(component: str, scope: Any) -> tuple[str, ...]:

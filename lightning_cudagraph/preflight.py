@@ -10,6 +10,7 @@ come before the first training step. The NCCL rule of the whole step under DDP
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import (
@@ -206,6 +207,22 @@ def _check_seal(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) ->
             f"at most Trainer(max_steps={max_steps}), or None",
             f"the fit ends before step {config.seal_after_steps}, so the set of shapes would never be sealed; pass"
             f" seal_after_steps={max_steps} or less, or None (no seal)",
+        )
+
+
+def check_seal_within_the_fit(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+    """Once the data is known (fit start): a seal past the last step of a fit bounded by epochs would never come."""
+    if config.seal_after_steps is None or not (trainer.max_steps is None or trainer.max_steps < 0):
+        return
+    total = trainer.estimated_stepping_batches
+    if math.isfinite(total) and config.seal_after_steps > total:
+        raise config_error(
+            component,
+            "seal_after_steps",
+            config.seal_after_steps,
+            f"at most the fit's {int(total)} optimizer steps (max_epochs={trainer.max_epochs}), or None",
+            f"the fit ends before step {config.seal_after_steps}, so the set of shapes would never be sealed; pass"
+            f" seal_after_steps={int(total)} or less, or None (no seal)",
         )
 
 

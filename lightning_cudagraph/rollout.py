@@ -101,8 +101,9 @@ class Rollout:
         if self.climb.ladder.current is None:
             self.machine.disable("no_targets", detail=plan.summary)
             return
-        rank_zero_info(f"{self.component}: {plan.summary}")
         self.backend = self.backend or default_backend(trainer.strategy.root_device)
+        if self.backend is not None:  # without one, fit start says graphs are off (no_cuda) instead of a plan
+            rank_zero_info(f"{self.component}: {plan.summary}")
 
     def fit_start(self, trainer: pl.Trainer) -> None:
         """Check the optimizers, then start the level runner, or turn graphs off with no device to capture on."""
@@ -111,6 +112,7 @@ class Rollout:
         with self._refusals_disable():
             problem = preflight.whole_step_optimizer_problem(self.config, trainer, self.component)
             preflight.check_whole_step_hooks(self.config, trainer.lightning_module, self.component)
+            preflight.check_seal_within_the_fit(self.config, trainer, self.component)
         if problem is not None:
             self.climb.ladder.skip(FULL_ITERATION, problem)
         if self.backend is None:

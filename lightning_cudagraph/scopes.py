@@ -174,6 +174,8 @@ def _resolve(
     owner: dict[str, str] = {}
     for scope in scopes:
         matches = [site.name for site in sites if _selected(scope, site, overrides, component)]
+        if matches and len(overrides.get(scope, ())) > 1:
+            _refuse_dead_selectors(sites, scope, overrides[scope], component)
         resolution.matched[scope] = matches
         for name in matches:
             owner.setdefault(name, scope)
@@ -187,6 +189,23 @@ def _resolve(
         if site.name in owner and site.name not in resolution.nested
     ]
     return resolution
+
+
+def _refuse_dead_selectors(sites: list[Site], scope: str, selectors: Sequence[Selector], component: str) -> None:
+    """One selector of a list that matches nothing is a misspelling: its modules would be silently left out."""
+    for selector in selectors:
+        if any(_selector_matches(selector, site.name, site.module) for site in sites):
+            continue
+        names = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", site.name) for site in sites})
+        close = difflib.get_close_matches(selector, names, n=3, cutoff=0.5) if isinstance(selector, str) else []
+        hint = f" (close names: {', '.join(map(repr, close))})" if close else ""
+        raise config_error(
+            component,
+            f"modules[{scope!r}]",
+            list(selectors),
+            "selectors that each match at least one module (the others in the list do)",
+            f"correct or drop {selector!r}{hint}; as it is, what it was meant to select stays out of the graphs",
+        )
 
 
 def _selected(scope: str, site: Site, overrides: Mapping[str, Sequence[Selector]], component: str) -> bool:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Build the documentation site with warnings as errors (`mkdocs build --strict`) into a temporary folder.
+# Build the documentation site with warnings as errors (`mkdocs build --strict`) into site/ (or SITE_DIR).
 #
 #   scripts/build_docs.sh [SITE_DIR]
 #
 # It installs nothing: install the docs tools first, `pip install -e ".[docs]"` (torch is not needed; the API
-# reference is read from the source). SITE_DIR keeps the built site; without it the site is removed at the end.
+# reference is read from the source). Open SITE_DIR/index.html (default: site/index.html) to read the site.
 # MKDOCS picks the mkdocs command (default: `python -m mkdocs`, with PYTHON defaulting to python3).
 set -euo pipefail
 
@@ -14,13 +14,8 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then
 fi
 root="$(cd "$(dirname "$0")/.." && pwd)"
 python=${PYTHON:-python3}
-if [[ -n ${1:-} ]]; then
-  site=$1
-else
-  site=$(mktemp -d)
-  trap 'rm -rf "$site"' EXIT
-fi
 cd "$root"
+site=${1:-$root/site}
 export NO_MKDOCS_2_WARNING=1  # Material's banner about its successor, printed on every build
 if [[ -n ${MKDOCS:-} ]]; then
   mkdocs=("$MKDOCS")

@@ -208,6 +208,15 @@ def test_seal_after_steps_beyond_max_steps_is_refused_at_setup():
     refused(error, "CUDAGraphCallback", "`seal_after_steps=50`", "Trainer(max_steps=4)", "seal_after_steps=4 or less")
 
 
+def test_seal_after_steps_beyond_a_fit_bounded_by_epochs_is_refused_at_fit_start():
+    callback = CUDAGraphCallback(scope=["layer"], seal_after_steps=50)
+    callback.capture_backend = FakeBackend()
+    model, data = decoder(TINY, batch_size=4, train_samples=32)  # 8 optimizer steps an epoch
+    with pytest.raises(ValueError, match="seal_after_steps") as error:
+        trainer(-1, [callback], max_epochs=2, **CPU).fit(model, data)
+    refused(error, "CUDAGraphCallback", "`seal_after_steps=50`", "the fit's 16 optimizer steps", "seal_after_steps=16")
+
+
 class _CheckpointedMLP(MLP):
     """An MLP whose forward recomputes itself in the backward (functional activation checkpointing)."""
 

@@ -249,6 +249,11 @@ def test_compile_accepts_booleans_and_torch_compile_arguments(value, expected):
             id="mode-and-options",
         ),
         pytest.param({"options": ["epilogue_fusion"]}, ["options as a dict"], id="options-not-a-dict"),
+        pytest.param(
+            {"options": {"max_autotune": "yes"}},
+            ["options['max_autotune'] of inductor's type bool", "options={'max_autotune': True}"],
+            id="options-value-type",
+        ),
         pytest.param({"fullgraph": "yes"}, ["'fullgraph': 'yes'", "fullgraph=True or False", "a bool"], id="fullgraph"),
         pytest.param("inductor", ["compile='inductor'", "False, True, or a dict", "compile=True"], id="string"),
         pytest.param(1, ["compile=1", "False, True, or a dict"], id="int"),

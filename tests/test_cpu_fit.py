@@ -9,6 +9,7 @@ fake capture backend in ``tests/test_lifecycle_*.py``.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from tests.helpers import LossRecorder, RaiseAtStep, StepCounter, cpu_trainer, graph_callback
+from tests.helpers import LossRecorder, RaiseAtStep, StepCounter, cpu_trainer, graph_callback, trainer
 from tests.models import TINY, TINY_DATA, decoder
 
 MAX_STEPS = 6
@@ -339,3 +340,11 @@ def test_exception_mid_training_on_cpu_leaves_an_ordinary_model(tmp_path, setup)
     plain = cpu_trainer(tmp_path / "after", 2)
     plain.fit(model, datamodule=data)
     assert plain.global_step == 2
+
+
+def test_on_a_cpu_no_plan_is_announced_only_that_graphs_are_off(caplog):
+    """A new user on a CPU reads one message: graphs are off (no_cuda), not a plan of graphs that never come."""
+    logs = caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero")
+    with logs, pytest.warns(UserWarning, match=r"CUDA graphs off \(no_cuda\)"):
+        trainer(2, strategy="cudagraph_full", accelerator="cpu", devices=1).fit(*decoder(TINY))
+    assert not [r.getMessage() for r in caplog.records if "captured as one graph" in r.getMessage()]

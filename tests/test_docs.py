@@ -9,7 +9,10 @@ heading.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import yaml  # type: ignore[import-untyped]
@@ -127,3 +130,24 @@ def test_the_readme_results_table_is_the_benchmarks_page_table() -> None:
     shown = [line for line in README.read_text().splitlines() if line.startswith("| ") or line.startswith("|---")]
     assert expected
     assert shown == expected
+
+
+def test_the_docs_build_keeps_the_site_in_site_by_default(tmp_path):
+    """The README's command leaves the built site where a reader can open it (a stand-in mkdocs writes the pages)."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "build_docs.sh", tmp_path / "scripts" / "build_docs.sh")
+    mkdocs = tmp_path / "mkdocs"
+    mkdocs.write_text(
+        '#!/usr/bin/env bash\nwhile [[ $1 != --site-dir ]]; do shift; done\nmkdir -p "$2"\necho ok > "$2/index.html"\n'
+    )
+    mkdocs.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "build_docs.sh")],
+        env={**os.environ, "MKDOCS": str(mkdocs)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "site" / "index.html").is_file(), done.stdout
+    assert "site" in done.stdout

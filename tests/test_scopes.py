@@ -354,3 +354,13 @@ def test_bare_dot_product_attention_found_for_attn():
     model = nn.Module()
     model.blocks = nn.ModuleList(nn.ModuleDict({"core": _te_named("DotProductAttention")}) for _ in range(2))
     assert names(resolve_scopes(model, ["attn"])) == ["blocks.0.core", "blocks.1.core"]
+
+
+def test_a_misspelt_selector_in_a_modules_list_is_refused_with_close_names():
+    from tests.models import TINY, decoder
+
+    model, _ = decoder(TINY)
+    with pytest.raises(ValueError, match=r"modules\['layer'\].*correct or drop 'model.blokcs.1'.*close names") as error:
+        resolve_scopes(model, ["layer"], {"layer": ["model.blocks.0", "model.blokcs.1"]})
+    assert "'model.blocks.*'" in str(error.value), str(error.value)
+    assert [t.name for t in resolve_scopes(model, ["layer"], {"layer": ["model.blocks.0", "model.blocks.1"]}).targets]
