@@ -6,6 +6,7 @@ captured, so such a region is refused (a fixed scope) or its level skipped (``sc
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 
@@ -24,15 +25,18 @@ def check_targets(targets: Sequence[Target], component: str) -> None:
 
     Found three ways: a checkpoint wrapper module, a ``gradient_checkpointing`` flag (Hugging Face), or a
     ``forward`` whose code calls ``torch.utils.checkpoint`` (read from its code object, so comments and strings do
-    not count).
+    not count), the class's or one set on the instance (``block.forward = ...``).
     """
     for target in targets:
         for name, module in target.module.named_modules():
             wrapped = type(module).__name__ == "CheckpointWrapper" or hasattr(module, "_checkpoint_wrapped_module")
-            functional = forward_calls_checkpoint(type(module))
+            own = vars(module).get("forward")
+            on_instance = own is not None and _calls_checkpoint(own)
+            functional = forward_calls_checkpoint(type(module)) or on_instance
             if wrapped or functional or getattr(module, "gradient_checkpointing", False) is True:
                 where = f"{target.name}.{name}" if name else target.name
-                how = f" ({type(module).__name__}.forward calls torch.utils.checkpoint)" if functional else ""
+                owner = "the forward set on the instance" if on_instance else f"{type(module).__name__}.forward"
+                how = f" ({owner} calls torch.utils.checkpoint)" if functional else ""
                 raise config_error(
                     component,
                     "scope",
@@ -64,16 +68,19 @@ def forward_calls_checkpoint(cls: type[nn.Module]) -> bool:
     """
     found = _FOUND.get(cls)
     if found is None:
-        found = _FOUND[cls] = _calls_checkpoint(cls)
+        found = _FOUND[cls] = _calls_checkpoint(getattr(cls, "forward", None))
     return found
 
 
-def _calls_checkpoint(cls: type[nn.Module]) -> bool:
-    forward = getattr(cls, "forward", None)
+def _calls_checkpoint(forward: object) -> bool:
+    """Whether a forward function (a method, a lambda, a function) refers to ``torch.utils.checkpoint``'s functions."""
     if forward is None:
         return False
-    forward = inspect.unwrap(forward)
-    code, namespace = getattr(forward, "__code__", None), getattr(forward, "__globals__", {})
+    forward = inspect.unwrap(getattr(forward, "__func__", forward))  # type: ignore[arg-type]
+    code, namespace = getattr(forward, "__code__", None), dict(getattr(forward, "__globals__", {}))
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(forward, "__closure__", None) or (), strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            namespace[name] = cell.cell_contents
     stack = [code] if code is not None else []
     while stack:
         code = stack.pop()

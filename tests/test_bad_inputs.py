@@ -239,6 +239,23 @@ def test_functional_checkpoint_inside_a_captured_forward_is_refused():
     assert "pick a scope that does not contain it" in str(error.value)
 
 
+class _InstanceCheckpointed(DecoderModule):
+    """Checkpointing bound on the instance, as users patch a block: ``block.mlp.forward = ...``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for block in self.model.blocks:
+            original = block.mlp.forward
+            block.mlp.forward = lambda x, original=original: checkpoint(original, x, use_reentrant=False)
+
+
+def test_functional_checkpoint_in_a_forward_set_on_the_instance_is_refused():
+    callback = CUDAGraphCallback(scope=["layer"])
+    with pytest.raises(ValueError, match="activation checkpointing") as error:
+        trainer(4, [callback], **CPU).fit(*decoder(TINY, module=_InstanceCheckpointed))
+    refused(error, "CUDAGraphCallback", "model.blocks.0.mlp", "torch.utils.checkpoint")
+
+
 def test_functional_checkpoint_outside_the_captured_regions_is_fine():
     callback = CUDAGraphCallback(scope=["attn"])
     callback.capture_backend = FakeBackend()
