@@ -334,11 +334,20 @@ class Rollout:
                 f"the fit ended during replay confirmation{level} after {steps} optimizer step(s); the graphs were"
                 f" never trusted (confirm_steps={self.config.confirm_steps}: raise max_steps)"
             )
-        eager = self.driver.settings.first_eager_steps if self.driver is not None else self.config.warmup_steps
+        driver = self.driver
+        eager = driver.settings.first_eager_steps if driver is not None else self.config.warmup_steps
         if steps <= eager:
             return (
                 f"the fit ended after {steps} optimizer step(s), within the {eager} eager warmup step(s) before"
                 f" capture{level} (raise max_steps or lower warmup_steps)"
+            )
+        unkeyed = driver.why_not_captured() if driver is not None else None
+        if unkeyed is not None:
+            return unkeyed
+        if self.report.captures:
+            return (
+                f"the fit ended after {steps} optimizer step(s) while{level or ' a level'} ran its eager steps before"
+                f" its capture; {self.report.captures} capture(s) of other levels came before (raise max_steps)"
             )
         return f"no graph was captured{level} in {steps} optimizer step(s) (the targets did not run in a training step)"
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
 from lightning_cudagraph.bucketing import PadToBucket
@@ -300,3 +301,24 @@ def test_a_seal_during_warmup_keeps_the_warmup_shape_and_refuses_the_others():
     with pytest.raises(RuntimeError, match=r"int64\[2, 16\].*sealed \(captured: \[int64\[2, 8\]"):
         fit(model, variable_length_loader(lengths, collate), 9, [callback], **CPU)
     assert callback.report.captures == 1, "the shape warmup stabilised was captured although the seal came first"
+
+
+class _WithIds(DecoderModule):
+    """Batches carry a string per batch (an id), which ``training_step`` ignores."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return super().training_step((x, y), batch_idx)
+
+
+def test_a_whole_step_fit_whose_batches_carry_a_changing_string_says_so():
+    tokens = torch.randint(TINY["vocab_size"], (8 * 4, TINY["seq_len"] + 1), generator=torch.Generator().manual_seed(0))
+    batches = [(tokens[i : i + 4, :-1], tokens[i : i + 4, 1:], f"batch-{i}") for i in range(0, 32, 4)]
+    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=2)
+    strategy.capture_backend = FakeBackend()
+    model, _ = decoder(TINY, module=_WithIds)
+    with pytest.warns(UserWarning, match="not_engaged"):
+        trainer(8, strategy=strategy, **CPU).fit(model, DataLoader(batches, batch_size=None))
+    reason = strategy.rollout.report.reason
+    assert "every batch had another signature" in reason and "'batch-0'" in reason, reason
+    assert "the targets did not run" not in reason

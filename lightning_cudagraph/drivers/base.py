@@ -144,6 +144,10 @@ class Driver(ABC):
         """Capture another scoped level in place, from the recorded samples; ``False`` when this driver cannot."""
         return False
 
+    def why_not_captured(self) -> str | None:
+        """Why no batch shape reached its capture, when the batches themselves say it (``None``: they do not)."""
+        return None
+
     def settle(self) -> None:  # noqa: B027 (an optional hook)
         """The ladder settled on this driver's level: drop what was kept for other levels."""
 

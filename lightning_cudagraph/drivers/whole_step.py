@@ -275,6 +275,19 @@ class WholeStepDriver(Driver):
         )
         return True
 
+    def why_not_captured(self) -> str | None:
+        """Every batch had a signature of its own: a value that changes per batch is part of the whole step's key."""
+        if self.captured_any or len(self._sightings) < 2 or max(self._sightings.values()) > 1:
+            return None
+        keys = list(self._sightings)
+        return (
+            f"every batch had another signature ({len(keys)} batches, e.g. {describe_batch_key(keys[0])} then"
+            f" {describe_batch_key(keys[1])}), so no batch shape ran the eager steps before its capture. A whole step"
+            " bakes the batch's non-tensor values in (a string, a number), so they are part of its key. Fix: keep"
+            " per-batch values that change out of the batch (drop them in the collate function), or pad tensors to a"
+            " few shapes (lightning_cudagraph.bucketing.PadToBucket)"
+        )
+
     def graph_count(self) -> int:
         """Captured step graphs, every batch shape and place in the window."""
         return sum(len(window) for window in self.steps.values())
