@@ -16,9 +16,9 @@ reason: the fit never stays on a level slower than eager.
 The walk: the narrowest level first (it confirms that graphs work on the model at all), then from the widest level
 down, until one is kept. Every level tried costs a capture and a few steps on slower graphs, and a wider level
 holds the work of the narrower ones in fewer launches: once a level is confirmed faster, the narrower ones left
-are skipped (their rows say so). A level that fails (capture, confirmation, memory budget) or does not pay hands
-over to the next narrower one. If the first level fails, the rollout rolls back to eager as a fixed scope would;
-when no level is left, training settles on the best level tried (captured again if needed), or on eager training.
+are skipped (their rows say so). A level that fails (a shape that never settles, capture, confirmation, memory budget)
+or does not pay hands over to the next level of the walk, the first level included; when no level is left, training
+settles on the best level tried (captured again if needed), or on eager training.
 
 The eager baseline and the best time live here; the report's ``eager_step_ms`` and ladder rows only mirror them.
 """
@@ -237,13 +237,16 @@ class Ladder:
     def failed(self, reason: str) -> Level | None:
         """The current level failed: where the walk goes next.
 
+        A failure does not end the climb: what failed one level (a shape that never settles, a capture that fails)
+        may not touch the levels above or below it, the whole step included.
+
         Returns:
-            The next narrower level to try; with none left, or when the first level failed, the best level
-            confirmed to go back to (``None`` if it is the current one) or :data:`EAGER`.
+            The next level of the walk (after the first, the widest; then narrower ones); with none left, the best
+            level confirmed to go back to (``None`` if it is the current one) or :data:`EAGER`.
         """
         row = self.row
         row.status, row.reason = "failed", reason
-        if 0 < self._position < len(self._walk) - 1:
+        if self._position + 1 < len(self._walk):
             self._position += 1
             return self.current
         return self._settle()

@@ -71,6 +71,7 @@ class Rollout:
         #: What the eager steps' Python showed (the package's strategies run the whole step: it is watched there).
         self.step_python = StepPython(Observer(trace=config.compile is None))
         self._observed: Any = _UNOBSERVED  # the key of the step planned to run observed
+        self._plan_summary = ""  # what the levels would capture, said in the no_cuda message on a CPU
 
     @property
     def stage(self) -> Stage:
@@ -102,7 +103,8 @@ class Rollout:
             self.machine.disable("no_targets", detail=plan.summary)
             return
         self.backend = self.backend or default_backend(trainer.strategy.root_device)
-        if self.backend is not None:  # without one, fit start says graphs are off (no_cuda) instead of a plan
+        self._plan_summary = plan.summary
+        if self.backend is not None:  # without one, fit start says graphs are off (no_cuda), with the plan in it
             rank_zero_info(f"{self.component}: {plan.summary}")
 
     def fit_start(self, trainer: pl.Trainer) -> None:
@@ -119,7 +121,7 @@ class Rollout:
             self.machine.disable(
                 "no_cuda",
                 detail=f"CUDA graphs need a CUDA device, but this Trainer runs on {trainer.strategy.root_device.type};"
-                " training runs eagerly, exactly as without the package",
+                f" training runs eagerly, exactly as without the package. On a CUDA device: {self._plan_summary}",
             )
             return
         self._refuse_optimizer_hooks(trainer)

@@ -121,9 +121,13 @@ class StageMachine:
         rank_zero_info(f"{self.component}: replays confirmed; {graphs} graph(s) in steady state")
 
     # ------------------------------------------------------------------ giving graphs up
+    def level_failed(self, reason: str) -> bool:
+        """Offer a failure to the ladder (``scope="auto"``); whether it moved on to another level."""
+        return self.on_level_failure is not None and self.on_level_failure(reason)
+
     def rollback(self, reason: str, error: BaseException | None = None) -> None:
         """A check failed: release, count it, then warn and go on eagerly, or raise (``on_failure="raise"``)."""
-        if self.on_level_failure is not None and self.on_level_failure(reason):
+        if self.level_failed(reason):
             return
         self.report.rollbacks += 1
         self.report.rollback_reasons.append(reason)

@@ -687,7 +687,7 @@ MUTATIONS: list[Mutation] = [
         "        self._since, self._interval = 0, min(2 * self._interval, self.every)",
         "        self._since, self._interval = 0, self.every",
         "audits are not dense after capture: a wrong graph trains up to audit_every_n_steps steps before the check",
-        "tests/test_trust.py::test_a_right_graph_passes_its_shadow_step_and_the_audit_runs_at_its_interval",
+        "tests/test_trust.py::test_audits_start_dense_after_a_capture_and_thin_out_to_the_interval",
     ),
     m(
         "climb.py",

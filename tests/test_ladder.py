@@ -40,7 +40,7 @@ from tests.helpers import (
     timed_by_level,
     trainer,
 )
-from tests.models import TINY, MoEDecoderModule, decoder
+from tests.models import TINY, DecoderModule, MoEDecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
 WARMUP = 2
@@ -401,11 +401,15 @@ def test_the_walk_tries_the_narrowest_then_widens_fully_then_narrows_step_by_ste
     ]
 
 
-def test_the_first_level_failing_ends_the_climb_with_nothing_to_go_back_to():
+def test_the_first_level_failing_hands_over_to_the_widest_and_the_last_to_eager():
     ladder, report = _four_levels()
+    assert ladder.failed("shape_unstable").name == "full_iteration"
+    assert not ladder.settled
+    assert ladder.failed("capture_failed").name == "layer"
+    assert ladder.failed("capture_failed").name == "attn+mlp"
     assert ladder.failed("parity") is EAGER
     assert ladder.settled and report.level is None
-    assert [row.status for row in report.ladder] == ["failed", "planned", "planned", "planned"]
+    assert [row.status for row in report.ladder] == ["failed"] * 4
 
 
 def test_the_last_level_failing_goes_back_to_the_best_one():
@@ -483,3 +487,50 @@ def test_a_one_level_ladder_is_settled_from_the_start_and_writes_no_rows():
     ladder = Ladder([Level("layer")], report, climbs=False)
     assert ladder.settled and ladder.current is not None and ladder.current.name == "layer"
     assert report.ladder == [] and report.level is None
+
+
+class _Cache:
+    """Like transformers' ``DynamicCache`` under ``use_cache=True``: a new object per forward, handed to attention."""
+
+    def __init__(self) -> None:
+        self.layers: list[None] = []
+
+    def __repr__(self) -> str:
+        return f"Cache(layers={len(self.layers)})"
+
+
+class _CachedAttention(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = attn
+
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        cache.layers.append(None)
+        return self.inner(x)
+
+
+class _CachedDecoder(DecoderModule):
+    """Attention takes a cache object made anew by every forward, as GPT-2 does with its default ``use_cache=True``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for block in self.model.blocks:
+            block.attn = _CachedAttention(block.attn)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        net, cache = self.model, _Cache()
+        x = net.drop(net.tok_emb(idx) + net.pos_emb(net.positions[: idx.shape[1]]))
+        for block in net.blocks:
+            x = x + block.attn(block.ln1(x), cache)
+            x = x + block.mlp(block.ln2(x))
+        return net.head(net.ln_f(x))
+
+
+def test_a_level_whose_shapes_never_settle_hands_over_and_the_climb_reaches_the_whole_step():
+    eager = fit(*decoder(TINY, _CachedDecoder), STEPS, **CPU)
+    run = fit(*decoder(TINY, _CachedDecoder), STEPS, strategy=auto_strategy(timed()), **CPU)
+    report = graph_callback(run.trainer).report
+    rows = dict(ladder(report))
+    assert rows["attn"] == "failed" and "shape_unstable" in report.ladder[0].reason, report.ladder
+    assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration"), report.ladder
+    assert_losses_close(eager.losses, run.losses, 1e-5)

@@ -303,3 +303,13 @@ def test_scoped_graphs_are_audited_round_robin_and_a_region_gone_wrong_is_caught
     with pytest.warns(UserWarning, match="parity"):
         fit(*decoder(TINY), 20, [callback, Corrupt()], **CPU)
     assert callback.report.exclusions or callback.report.rollbacks, "the audit did not notice"
+
+
+def test_audits_start_dense_after_a_capture_and_thin_out_to_the_interval():
+    steps, every = 40, 16
+    run = fit(*decoder(TINY), steps, strategy=whole_step(audit_every_n_steps=every), **CPU)
+    report = graph_callback(run.trainer).report
+    assert report.stage == Stage.REPLAYING, report.reason
+    # The capture step's shadow step, then audits after 2, 4, 8 and 16 more replayed steps: at 2, 6, 14 and 30.
+    replayed = steps - WARMUP - 1
+    assert report.audits == 1 + dense_audits(replayed, every) == 1 + 4

@@ -87,13 +87,15 @@ class GraphSetCapture:
 
     def _not_capturable(self, batch: tuple[Any, ...], plan: CapturePlan, change: str | None) -> None:
         """The first shape: graphs are off for this fit. A later one: it stays eager, loudly."""
-        if change is None:
+        if change is None:  # under scope="auto", another level may not have the problem: the ladder moves on
             if plan.unstable is not None:
                 detail = f"input signatures moved during the warmup steps: {plan.unstable}"
-                self.machine.disable(f"shape_unstable: {plan.unstable}", detail=detail)
+                reason = f"shape_unstable: {plan.unstable}"
             else:
                 why = _why_none(plan.skipped)
-                self.machine.disable(f"no_targets: {why}", detail=f"{why}: {plan.skipped}")
+                reason, detail = f"no_targets: {why}", f"{why}: {plan.skipped}"
+            if not self.machine.level_failed(reason):
+                self.machine.disable(reason, detail=detail)
             return
         why = f"its input signatures moved: {plan.unstable}" if plan.unstable else "no target ran in it"
         rank_zero_warn(f"{self.component}: batch shape {describe_batch_key(batch)} stays eager: {why}")
