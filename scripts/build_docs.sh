@@ -26,4 +26,12 @@ else
   exit 1
 fi
 "${mkdocs[@]}" build --strict --site-dir "$site"
+# Sphinx roles in docstrings must reach the API page as code, not as raw text (docs/griffe_sections.py).
+roles=':(class|mod|meth|func|attr|data|exc|obj):(`|<code>)'
+raw=$({ grep -roE "$roles" "$site" --include='*.html' || true; } | wc -l)
+if [[ $raw -ne 0 ]]; then
+  echo "build_docs: $raw raw Sphinx role(s) in the built pages:" >&2
+  grep -roE ".{0,40}$roles.{0,40}" "$site" --include='*.html' | head -5 >&2
+  exit 1
+fi
 echo "build_docs: built $(find "$site" -name '*.html' | wc -l) pages into $site"

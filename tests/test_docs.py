@@ -151,3 +151,14 @@ def test_the_docs_build_keeps_the_site_in_site_by_default(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "site" / "index.html").is_file(), done.stdout
     assert "site" in done.stdout
+
+
+def test_every_python_snippet_with_a_strategy_name_imports_the_package() -> None:
+    """The names exist once ``lightning_cudagraph`` is imported: a snippet that uses one must show the import."""
+    pages = [README, ROOT / "docs" / "index.md"]
+    bare = []
+    for page in pages:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL):
+            if re.search(r"strategy=\"(ddp_)?cudagraph", block) and "lightning_cudagraph" not in block:
+                bare.append(f"{page.name}: {block.strip().splitlines()[0]}")
+    assert not bare, f"snippets that use a strategy name without importing lightning_cudagraph: {bare}"
