@@ -81,9 +81,10 @@ OPTIONS: tuple[Option, ...] = (
         "scope",
         "str | Sequence[str]",
         AUTO,
-        '``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer`` and, with one of the package\'s strategies,'
-        " the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from ``full_iteration,"
-        " attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a comma-separated"
+        '``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package\'s'
+        " strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from"
+        " ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a"
+        " comma-separated"
         ' string works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs'
         " :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.",
     ),
