@@ -87,7 +87,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     python = observers["observed"]
     ways: dict[str, Callable[[], Any]] = {"plain": step}
     for way, watched in observers.items():
-        ways[way] = lambda watched=watched: watched.run(("batch",), module, 0, step)
+        ways[way] = lambda watched=watched: watched.observe(("batch",), module, 0, step)
     for run in ways.values():  # warm every path (the first AdamW step makes its state)
         run()
     rounds: dict[str, list[float]] = {way: [] for way in WAYS}

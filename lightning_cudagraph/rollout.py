@@ -22,24 +22,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph import planning, preflight
 from lightning_cudagraph.agreement import RankAgreement
-from lightning_cudagraph.batches import batch_key
 from lightning_cudagraph.climb import Climb
 from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
-from lightning_cudagraph.drivers.accumulation import Position
 from lightning_cudagraph.drivers.base import Driver, LevelSettings
 from lightning_cudagraph.evaluation import EvaluationGraphs, TrainedLevel
 from lightning_cudagraph.factory import DriverFactory
 from lightning_cudagraph.fit_log import FitLog
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.graphs.cuda import default_backend
-from lightning_cudagraph.graphs.optimizers import describe_step_hooks
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 from lightning_cudagraph.observation import Observer
 from lightning_cudagraph.stages import StageMachine
-from lightning_cudagraph.step_python import StepPython, step_python_reason
-
-#: No step is to be observed.
-_UNOBSERVED = object()
+from lightning_cudagraph.step_python import StepPython
 
 
 class Rollout:
@@ -69,8 +63,7 @@ class Rollout:
         #: level is planned (and not skipped), under automatic optimization. Set when the fit starts.
         self.whole_step_accumulation = False
         #: What the eager steps' Python showed (the package's strategies run the whole step: it is watched there).
-        self.step_python = StepPython(Observer(trace=config.compile is None))
-        self._observed: Any = _UNOBSERVED  # the key of the step planned to run observed
+        self.step_python = StepPython(Observer(trace=config.compile is None), component)
         self._plan_summary = ""  # what the levels would capture, said in the no_cuda message on a CPU
 
     @property
@@ -124,7 +117,7 @@ class Rollout:
                 f" training runs eagerly, exactly as without the package. On a CUDA device: {self._plan_summary}",
             )
             return
-        self._refuse_optimizer_hooks(trainer)
+        self.step_python.refuse_optimizer_hooks(trainer, self.machine, self.climb.ladder)
         if not self.machine.graphs_allowed:
             return
         module = trainer.lightning_module  # an optimizer_step override would run for every micro-batch: not handed
@@ -175,50 +168,27 @@ class Rollout:
     def plan_whole_step(self, trainer: pl.Trainer, batch: Any) -> Any:
         """Before a training step: the driver plans it (eager, capture or replay) and returns the batch to use.
 
-        An eager step before the first capture, and one at each epoch boundary while the whole step replays, runs
-        observed (:mod:`lightning_cudagraph.step_python`).
+        The step's Python is watched around it (:mod:`lightning_cudagraph.step_python`).
         """
-        self._observed = _UNOBSERVED
         driver = self.driver
-        if driver is None:
+        if driver is None or self.climb is None:
             return batch
-        training = trainer.training and not trainer.sanity_checking
-        if self.active and training:
+        watched = self.active and trainer.training and not trainer.sanity_checking
+        if watched:
             self._seal_when_due(trainer.global_step)
-        recheck = training and self.active and self._recheck_due(trainer)
-        if recheck:
-            driver.eager_next = f"step_python_recheck: epoch {trainer.current_epoch} started"
+            self.step_python.plan(trainer, driver, self.climb.ladder, self.stage)
         planned = driver.plan(trainer, batch)
-        before_capture = self.stage == Stage.WARMUP and not driver.captured_any and not driver.plans_capture
-        if training and self.active and self.step_python.problem is None and (recheck or before_capture):
-            self._observed = (batch_key(batch, values=True), Position.of(trainer).place), recheck
+        if watched:
+            self.step_python.planned(trainer, batch, driver, self.stage)
         return planned
-
-    def _recheck_due(self, trainer: pl.Trainer) -> bool:
-        """An epoch started while the whole step replays: its first step runs eagerly, observed, and is compared."""
-        level = self.climb.ladder.current if self.climb is not None else None
-        return (
-            level is not None
-            and level.whole_step
-            and self.stage in (Stage.CONFIRMING, Stage.REPLAYING)
-            and self.step_python.recheck_due(trainer.current_epoch)
-            and Position.of(trainer).place.zeroes
-        )
 
     def run_whole_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """Carry out the planned step (eagerly, by ``run_step``, below the whole step), observed when planned so."""
-        driver, observed, self._observed = self.driver, self._observed, _UNOBSERVED
-        if driver is None:
+        driver = self.driver
+        if driver is None or self.climb is None:
             return run_step()
-        # A scoped level captures its regions after the plan (at the batch's start): that step is not eager.
-        if observed is _UNOBSERVED or (driver.captured_any and not observed[1]):
-            return driver.run(trainer, closure, optimizer, run_step)
-        key = observed[0]
-        module = trainer.lightning_module
         step = lambda: driver.run(trainer, closure, optimizer, run_step)  # noqa: E731
-        output = self.step_python.run(key, module, trainer.current_epoch, step)
-        self._act_on_step_python()
-        return output
+        return self.step_python.run(trainer, driver, self.machine, self.climb.ladder, step)
 
     def training_step_arguments(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``training_step`` 's arguments; in an observed step, ``batch_idx`` notes where user code reads it."""
@@ -233,40 +203,6 @@ class Rollout:
     def before_optimizer_step(self) -> None:
         """The optimizer's update starts: an observed step's trace ends here (its settings are watched apart)."""
         self.step_python.pause_trace()
-
-    def _act_on_step_python(self) -> None:
-        """After an observed step, taken by every rank at once: the whole step is left out, or rolled back."""
-        found = self.step_python.problem
-        if not self.machine.agreement.any_of([found is not None])[0] or self.climb is None:
-            return
-        reason = found or step_python_reason(
-            "training_step's Python differs between steps on another rank", "see that rank's log"
-        )
-        self.step_python.problem = reason  # every rank stops observing at once
-        level = self.climb.ladder.current
-        if level is not None and level.whole_step:
-            self.machine.rollback(reason)
-        elif any(level.whole_step for level in self.climb.ladder.to_try):
-            self.climb.ladder.skip(FULL_ITERATION, reason)
-            rank_zero_info(f"{self.component}: scope='auto' leaves the whole step out: {reason}")
-
-    def _refuse_optimizer_hooks(self, trainer: pl.Trainer) -> None:
-        """Optimizer step hooks run once at a whole-step capture and never on replay: no whole step for this fit."""
-        if self.climb is None or not any(level.whole_step for level in self.climb.ladder.to_try):
-            return
-        hooks = next(filter(None, map(describe_step_hooks, trainer.optimizers)), None)
-        if hooks is None:
-            return
-        self.step_python.problem = reason = step_python_reason(
-            f"runs optimizer step hooks ({hooks}), which a replay never runs",
-            "remove the hooks for the fit (handle.remove()), or use a scoped level (strategy='cudagraph' or"
-            " scope=['layer']), whose optimizer step runs eagerly with its hooks",
-        )
-        if self.climb.ladder.climbs:
-            self.climb.ladder.skip(FULL_ITERATION, reason)
-            rank_zero_info(f"{self.component}: scope='auto' leaves the whole step out: {reason}")
-        else:
-            self.machine.rollback(reason)
 
     # ------------------------------------------------------------------ evaluation loops
     def evaluation_start(self, trainer: pl.Trainer, backend: CaptureBackend | None = None) -> None:

@@ -12,25 +12,42 @@ the step before, or runs optimizer step hooks is not held by a whole-step graph:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._lightning import step_loss
+from lightning_cudagraph.batches import batch_key
+from lightning_cudagraph.config import FULL_ITERATION
+from lightning_cudagraph.drivers.accumulation import Position
+from lightning_cudagraph.graphs.optimizers import describe_step_hooks
+from lightning_cudagraph.health import Stage
 from lightning_cudagraph.observation import Behaviour, Observer, watched_index
+from lightning_cudagraph.stages import StageMachine
+
+if TYPE_CHECKING:
+    from lightning_cudagraph.drivers.base import Driver
+    from lightning_cudagraph.ladder import Ladder
 
 __all__ = ["StepPython", "step_python_reason"]
 
 #: Where the graph-safe way to feed a per-step value to a captured step is documented.
 DOCS = "docs/python.md"
+#: No step is planned to run observed.
+_UNOBSERVED = object()
 
 
 class StepPython:
     """The observed eager steps of one fit, by batch key, and what they showed (``problem``).
 
+    The rollout hands it each whole step (the package's strategies): :meth:`plan` before the driver plans it,
+    :meth:`run` around the optimizer step, and what it finds goes to the stage machine and the ladder.
+
     Args:
         observer: Watches each observed step.
+        component: Named in messages.
         setup_steps: Observed steps per batch key that may set things up once (a lazy buffer, Lightning's first
             ``self.log``; under DDP also the second, where DDP rebuilds its gradient buckets): their changes and
             operations are not compared.
@@ -44,13 +61,13 @@ class StepPython:
         ...     module.calls += 1
         ...     return torch.ones(())
         >>> for _ in range(2):
-        ...     _ = python.run(("batch",), module, epoch=0, run_step=step)
+        ...     _ = python.observe(("batch",), module, epoch=0, run_step=step)
         >>> python.problem.split(":")[0]
         'step_python'
     """
 
-    def __init__(self, observer: Observer, setup_steps: int = 1) -> None:
-        self.observer, self.setup_steps = observer, setup_steps
+    def __init__(self, observer: Observer, component: str = "CUDAGraphCallback", setup_steps: int = 1) -> None:
+        self.observer, self.component, self.setup_steps = observer, component, setup_steps
         #: Why the step's Python cannot be held by a whole-step graph (``None`` while nothing showed it).
         self.problem: str | None = None
         #: Per batch key: the steps seen, and the first one after the set-up steps (the reference).
@@ -58,6 +75,7 @@ class StepPython:
         self._reference: dict[Any, Behaviour] = {}
         self._current: Behaviour | None = None
         self._epoch: int | None = None
+        self._planned: Any = _UNOBSERVED  # (batch key, whether it re-checks) of the step planned to run observed
 
     @property
     def observing(self) -> bool:
@@ -68,7 +86,72 @@ class StepPython:
         """Whether an epoch started since the last observed step (once graphs replay, one eager step re-checks)."""
         return self.problem is None and self._epoch is not None and epoch != self._epoch
 
-    def run(self, key: Any, module: torch.nn.Module, epoch: int, run_step: Callable[[], Any]) -> Any:
+    # ------------------------------------------------------------------ a whole step (from the rollout)
+    def refuse_optimizer_hooks(self, trainer: pl.Trainer, machine: StageMachine, ladder: Ladder) -> None:
+        """Optimizer step hooks run once at a whole-step capture and never on replay: no whole step for this fit."""
+        if not any(level.whole_step for level in ladder.to_try):
+            return
+        hooks = next(filter(None, map(describe_step_hooks, trainer.optimizers)), None)
+        if hooks is None:
+            return
+        self.problem = step_python_reason(
+            f"runs optimizer step hooks ({hooks}), which a replay never runs",
+            "remove the hooks for the fit (handle.remove()), or use a scoped level (strategy='cudagraph' or"
+            " scope=['layer']), whose optimizer step runs eagerly with its hooks",
+        )
+        self._leave_out_whole_step(machine, ladder)
+
+    def plan(self, trainer: pl.Trainer, driver: Driver, ladder: Ladder, stage: Stage) -> None:
+        """Before the driver plans a step: an epoch's first step re-checks (eagerly) while the whole step replays."""
+        self._planned = _UNOBSERVED
+        level = ladder.current
+        replaying = stage in (Stage.CONFIRMING, Stage.REPLAYING)
+        due = replaying and self.recheck_due(trainer.current_epoch) and Position.of(trainer).place.zeroes
+        if level is not None and level.whole_step and due:
+            driver.eager_next = f"step_python_recheck: epoch {trainer.current_epoch} started"
+            self._planned = None, True
+
+    def planned(self, trainer: pl.Trainer, batch: Any, driver: Driver, stage: Stage) -> None:
+        """The driver planned the step: observe it when it re-checks, or runs eagerly before the first capture."""
+        recheck = self._planned is not _UNOBSERVED
+        before_capture = stage == Stage.WARMUP and not driver.captured_any and not driver.plans_capture
+        if self.problem is None and (recheck or before_capture):
+            self._planned = (batch_key(batch, values=True), Position.of(trainer).place), recheck
+
+    def run(
+        self, trainer: pl.Trainer, driver: Driver, machine: StageMachine, ladder: Ladder, step: Callable[[], Any]
+    ) -> Any:
+        """Run the planned step (``step``: the driver's), observed when planned so; act on what it showed."""
+        planned, self._planned = self._planned, _UNOBSERVED
+        # A scoped level captures its regions after the plan (at the batch's start): that step is not eager.
+        if planned is _UNOBSERVED or (driver.captured_any and not planned[1]):
+            return step()
+        output = self.observe(planned[0], trainer.lightning_module, trainer.current_epoch, step)
+        self._act(machine, ladder)
+        return output
+
+    def _act(self, machine: StageMachine, ladder: Ladder) -> None:
+        """After an observed step, taken by every rank at once: the whole step is left out, or rolled back."""
+        found = self.problem
+        if not machine.agreement.any_of([found is not None])[0]:
+            return
+        self.problem = found or step_python_reason(  # every rank stops observing at once
+            "training_step's Python differs between steps on another rank", "see that rank's log"
+        )
+        self._leave_out_whole_step(machine, ladder)
+
+    def _leave_out_whole_step(self, machine: StageMachine, ladder: Ladder) -> None:
+        """The whole step is rolled back where it is the level (fixed, or auto's current); else auto skips it."""
+        reason = self.problem or ""
+        level = ladder.current
+        if level is not None and level.whole_step:
+            machine.rollback(reason)
+        elif ladder.climbs and any(level.whole_step for level in ladder.to_try):
+            ladder.skip(FULL_ITERATION, reason)
+            rank_zero_info(f"{self.component}: scope='auto' leaves the whole step out: {reason}")
+
+    # ------------------------------------------------------------------ an observed step
+    def observe(self, key: Any, module: torch.nn.Module, epoch: int, run_step: Callable[[], Any]) -> Any:
         """Run one eager optimizer step under observation; what it shows may set :attr:`problem`."""
         reader = module if isinstance(module, pl.LightningModule) else None
         with self.observer.span([module], reader=reader, paused=True) as seen:
