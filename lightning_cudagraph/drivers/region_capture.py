@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_cudagraph.capture_hints import capture_failure
 from lightning_cudagraph.config import CUDAGraphConfig
 from lightning_cudagraph.drivers.evidence import MetricUpdates
 from lightning_cudagraph.drivers.regions import RegionSet
@@ -118,7 +119,7 @@ class NarrowingCapture:
         """Leave the regions that failed eager (a layer: its parts instead); ``False`` if nothing is left to try."""
         for region in captured.regions:  # one pass, one pool: the others are captured again
             region.reset()
-        reasons = {name: self._failure_reason(name, e, self.updated) for name, e in captured.failed.items()}
+        reasons = {name: self._failure_reason(name, e) for name, e in captured.failed.items()}
         if self.config.on_failure == "raise" and not self.config.auto_scope:  # a fixed scope: the user's choice
             name = next(iter(reasons))
             self.machine.rollback(f"{name}: {reasons[name]}", captured.failed[name])
@@ -138,10 +139,9 @@ class NarrowingCapture:
             return False
         return True
 
-    @staticmethod
-    def _failure_reason(name: str, error: Exception, updated: list[str]) -> str:
+    def _failure_reason(self, name: str, error: Exception) -> str:
         """Why a region's capture failed: a torchmetrics update inside it (its host sync) comes first, with the fix."""
-        inside = [metric for metric in updated if metric.startswith(f"{name}.")]
+        inside = [metric for metric in self.updated if metric.startswith(f"{name}.")]
         if inside:
             return (
                 f"metric_in_graph: torchmetrics metric(s) {inside} are updated inside the captured region {name}"
@@ -149,7 +149,7 @@ class NarrowingCapture:
                 " Fix: update metrics in training_step or on_train_batch_end from the step's outputs, outside the"
                 " captured modules"
             )
-        return f"capture_failed: {type(error).__name__}: {error}"
+        return capture_failure(error, self.regions.targets[self.regions.index[name]].module)
 
     def _failed(self, error: Exception) -> None:
         self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_cudagraph._lightning import step_loss
+from lightning_cudagraph.capture_hints import capture_failure
 from lightning_cudagraph.drivers.evidence import MetricUpdates
 from lightning_cudagraph.drivers.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph.graphs.backend import CaptureBackend
@@ -93,7 +94,7 @@ class StepCapture:
             self.machine.rollback(metric_in_graph(updated, f" (its capture failed: {error})"), error)
         else:
             error = error or RuntimeError("the capture failed on another rank")
-            self.machine.rollback(f"capture_failed: {type(error).__name__}: {error}", error)
+            self.machine.rollback(capture_failure(error, module), error)
         return None
 
     def release(self) -> None:

@@ -1,0 +1,46 @@
+"""What a failed capture means in a layout the package knows, and its fix.
+
+A capture fails on a host sync (``.item()``, a data-dependent branch, a tensor's size read on the host). The error
+names the operation, not the module or the fix. Where the captured module holds a layout whose host sync is known,
+the reason says which module and what to change:
+
+- Hugging Face MoE experts run with ``experts_implementation="eager"`` loop over the experts that received tokens,
+  which reads the routing on the host; ``set_experts_implementation("grouped_mm")`` (or ``"batched_mm"``) routes
+  on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["capture_failure"]
+
+#: Words of the errors a host sync inside a capture raises (CUDA's, and the CPU test double's).
+_HOST_SYNC = ("operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported")
+
+
+def capture_failure(error: BaseException, module: torch.nn.Module | None) -> str:
+    """The reason of a failed capture of ``module``: the error, then the cause and the fix where the layout is known.
+
+    Example:
+        >>> import torch
+        >>> capture_failure(RuntimeError("boom"), torch.nn.Linear(2, 2))
+        'capture_failed: RuntimeError: boom'
+    """
+    reason = f"capture_failed: {type(error).__name__}: {error}"
+    if module is None or not any(words in str(error) for words in _HOST_SYNC):
+        return reason
+    eager = next((name for name, inner in module.named_modules() if _eager_experts(inner)), None)
+    if eager is None:
+        return reason
+    return (
+        f"{reason}. {eager or 'the module'} runs Hugging Face's eager MoE experts, whose loop over the experts reads"
+        " the routing on the host. Fix: model.set_experts_implementation('grouped_mm') (or 'batched_mm') before the"
+        " fit: both route on the device"
+    )
+
+
+def _eager_experts(module: torch.nn.Module) -> bool:
+    """A Hugging Face experts module (``use_experts_implementation``) that runs its eager loop."""
+    config = getattr(module, "config", None)
+    return hasattr(module, "has_gate") and getattr(config, "_experts_implementation", None) == "eager"

@@ -1,0 +1,36 @@
+"""A capture that fails on a known layout's host sync names the module and the fix: Hugging Face's eager MoE experts."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
+from tests.fake_backend import FakeBackend
+from tests.helpers import graph_callback, trainer
+
+pytest.importorskip("transformers")
+from tests.hf_models import hf_causal_lm
+
+CPU = {"accelerator": "cpu", "devices": 1}
+FIX = "set_experts_implementation('grouped_mm')"
+
+
+def test_the_whole_step_on_eager_moe_experts_names_them_and_the_fix():
+    model, data = hf_causal_lm("qwen3_moe")
+    model.model.set_experts_implementation("eager")
+    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=2)
+    strategy.capture_backend = FakeBackend()
+    with pytest.warns(UserWarning, match="capture_failed"):
+        trainer(4, strategy=strategy, **CPU).fit(model, data)
+    reason = graph_callback(model.trainer).report.reason
+    assert FIX in reason and "model.model.layers.0.mlp.experts" in reason, reason
+
+
+def test_a_layer_holding_eager_moe_experts_is_left_eager_with_the_fix():
+    model, data = hf_causal_lm("qwen3_moe")
+    model.model.set_experts_implementation("eager")
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=2)
+    callback.capture_backend = FakeBackend()
+    trainer(4, [callback], **CPU).fit(model, data)
+    reasons = callback.report.exclusions
+    assert reasons and all(FIX in reason for reason in reasons.values()), reasons
