@@ -283,9 +283,10 @@ class Rollout:
         if unkeyed is not None:
             return unkeyed
         if self.report.captures:
+            running = f"level {self.report.level!r}" if self.report.level else "a level"
             return (
-                f"the fit ended after {steps} optimizer step(s) while{level or ' a level'} ran its eager steps before"
-                f" its capture; {self.report.captures} capture(s) of other levels came before (raise max_steps)"
+                f"the fit ended after {steps} optimizer step(s) while {running} ran its eager steps before its"
+                f" capture; {self.report.captures} capture(s) of other levels came before (raise max_steps)"
             )
         return f"no graph was captured{level} in {steps} optimizer step(s) (the targets did not run in a training step)"
 
