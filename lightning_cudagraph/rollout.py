@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -127,7 +128,8 @@ class Rollout:
             and any(level.whole_step for level in self.climb.ladder.to_try)
         )
         self.machine.agreement = RankAgreement(trainer.strategy.root_device)
-        self.step_python.setup_steps = 2 if trainer.world_size > 1 else 1  # DDP rebuilds its buckets on step two
+        # DDP rebuilds its gradient buckets on the second step, with one process too: a set-up step as well.
+        self.step_python.setup_steps = 2 if isinstance(trainer.strategy, DDPStrategy) else 1
         self._factory = DriverFactory(
             self.config, self.component, self.backend, self.machine, trainer, self.climb.plan, self.step_python.observer
         )

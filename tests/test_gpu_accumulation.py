@@ -31,7 +31,9 @@ def test_accumulation_in_the_whole_step_matches_eager(accumulate):
 
     report = graph_callback(fit).report
     assert report.stage == Stage.REPLAYING, report.reason
-    assert report.rollbacks == 0 and report.fallbacks == 0, report.fallback_reasons
+    # The only eager micro-batches after capture: each later epoch's first window re-checks the step's Python.
+    assert report.rollbacks == 0, report.rollback_reasons
+    assert all("step_python_recheck" in r or r.startswith("accumulation") for r in report.fallback_reasons), report
     assert report.captures == (3 if accumulate > 2 else 2), "one graph per place in the window"
     assert report.replays >= (steps - WARMUP - 2) * accumulate
     assert fit.global_step == eager_fit.global_step == steps
