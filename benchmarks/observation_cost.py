@@ -1,6 +1,10 @@
 """What observing the step's Python costs: an observed eager step against a plain one, and the watch per replay.
 
     PYTHONPATH=. python benchmarks/observation_cost.py --out benchmarks/results/observation
+    PYTHONPATH=. python benchmarks/observation_cost.py --fit --out benchmarks/results/observation   # a GPU
+
+``--fit`` also trains the small GPT through ``strategy="cudagraph_full"`` with the module check before each replay
+and without it (patched out), alternated round by round in one process: the replayed step's cost of the check.
 
 The eager steps before the first capture (and one per epoch while the whole step replays) run observed
 (:mod:`lightning_cudagraph.step_python`): per-step reads, random draws, attribute changes, and a trace of the
@@ -13,6 +17,7 @@ inside the graphs (their modes, hooks and forwards), timed here per call against
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -41,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="steps timed per way and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--fit", action="store_true", help="also time whole-step fits with and without the check")
     return parser.parse_args(argv)
 
 
@@ -119,6 +125,30 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def fit_with_and_without_the_check(rounds: int, precision: str) -> dict[str, Any]:
+    """Median replayed step of the small GPT's whole step, the module check on and patched out, alternated."""
+    from unittest import mock
+
+    from benchmarks.core.models import train
+    from benchmarks.core.timing import alternate
+
+    def measure(way: str) -> dict[str, Any]:
+        unchecked = mock.patch.object(StateWatch, "_module_problem", return_value=None)
+        with unchecked if way == "unchecked" else contextlib.nullcontext():
+            fit = train("small", "full_iteration", precision, steps=160, skip=60)
+        return {**fit, "variant": way}
+
+    fits = {fit["variant"]: fit for fit in alternate(("checked", "unchecked"), rounds, measure)}
+    checked, unchecked = fits["checked"]["median_ms"], fits["unchecked"]["median_ms"]
+    return {
+        "precision": precision,
+        "checked_ms": checked,
+        "unchecked_ms": unchecked,
+        "round_ms": {way: fit["round_ms"] for way, fit in fits.items()},
+        "ratio": round(checked / unchecked, 4) if checked and unchecked else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cases = []
@@ -132,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     record = {"kind": "observation", "device": args.device, "steps": args.steps, "rounds": args.rounds}
     record.update(environment=records.environment(), cases=cases)
+    if args.fit:
+        fits = [fit_with_and_without_the_check(args.rounds, precision) for precision in ("32-true", "bf16-mixed")]
+        for fit in fits:
+            print(
+                f"small GPT, cudagraph_full, {fit['precision']}: {fit['checked_ms']} ms/step with the module check,"
+                f" {fit['unchecked_ms']} ms without ({fit['ratio']}x)"
+            )
+        record["fits"] = fits
     print(f"wrote {records.write(record, args.out / 'observation.json')}")
     return 0
 
