@@ -34,7 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Behaviour", "Observer", "watched_index"]
+__all__ = ["SKIP_FIX", "Behaviour", "Observer", "frozen_by_a_graph", "watched_index"]
 
 #: Frames of these packages are not the user's: what they read is the framework's own business.
 _FRAMEWORK_DIRS = tuple(
@@ -44,6 +44,11 @@ _FRAMEWORK_DIRS = tuple(
 )
 #: The per-step values of Lightning a graph would freeze, by the class attribute they are read through.
 _PER_STEP = ("global_step", "current_epoch")
+#: What a user can do about a step that skips its batch (``training_step`` returns ``None``).
+SKIP_FIX = (
+    "where skipping means leaving the batch out of the loss, mask it instead (multiply the loss by a 0/1 tensor);"
+    " otherwise use a scoped level (strategy='cudagraph' or scope=['layer']), which runs training_step every step"
+)
 #: Operations kept in a trace at most (a long step is compared on its first ones).
 _TRACE_LIMIT = 200_000
 
@@ -105,6 +110,31 @@ class Behaviour:
             if mine != theirs:
                 return f"operation {index} went from {_op(mine)} to {_op(theirs)}"
         return f"it launched {len(self.trace)} operations, then {len(other.trace)}"
+
+
+def frozen_by_a_graph(spans: Sequence[Behaviour], setup: int = 1) -> str | None:
+    """What spans of the same code (steps of one batch key, calls of one region) show that a graph would freeze.
+
+    A read, a draw or a skip counts in any span. The first ``setup`` spans may set things up once (a lazy buffer,
+    Lightning's first ``self.log``, DDP's bucket rebuild): attribute changes count after them, and operations are
+    compared with the first span after them. ``None``: nothing a graph would freeze.
+
+    Example:
+        >>> spans = [Behaviour(trace=(("aten::mul", 1.0),)), Behaviour(trace=(("aten::mul", 1.0),))]
+        >>> frozen_by_a_graph(spans) is None
+        True
+        >>> frozen_by_a_graph([*spans, Behaviour(trace=(("aten::mul", 0.1),))])
+        'launched other operations than before: operation 0 went from aten::mul(1.0) to aten::mul(0.1)'
+    """
+    reference = spans[setup] if len(spans) > setup else None
+    for index, seen in enumerate(spans):
+        found = seen.depends()
+        if found is None and index >= setup:
+            change = reference.differs(seen) if reference is not None else None
+            found = seen.changes() or (f"launched other operations than before: {change}" if change else None)
+        if found is not None:
+            return found
+    return None
 
 
 def _op(record: tuple[Any, ...]) -> str:
@@ -208,10 +238,10 @@ class Observer:
         log = module.log
 
         def untraced(*args: Any, **kwargs: Any) -> Any:
-            before = python_state([module])
+            before = python_state([module], deep=False)  # a log override changes its own module's attributes
             with self.paused():
                 result = log(*args, **kwargs)
-            after = python_state([module])
+            after = python_state([module], deep=False)
             excused.update(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
             return result
 
@@ -383,8 +413,10 @@ def _random_states() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- module attributes
-def python_state(modules: Sequence[torch.nn.Module]) -> dict[str, Any]:
+def python_state(modules: Sequence[torch.nn.Module], deep: bool = True) -> dict[str, Any]:
     """A fingerprint of the plain Python attributes of ``modules`` and everything inside them, by qualified name.
+
+    ``deep=False``: the modules' own attributes only.
 
     Tensors, submodules, hooks and the framework's own bookkeeping are left out; torchmetrics metrics are watched by
     their update counts elsewhere.
@@ -400,7 +432,7 @@ def python_state(modules: Sequence[torch.nn.Module]) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     for root in modules:
-        for prefix, module in root.named_modules(remove_duplicate=False):
+        for prefix, module in root.named_modules(remove_duplicate=False) if deep else [("", root)]:
             if isinstance(module, Metric):
                 continue
             for key, value in vars(module).items():

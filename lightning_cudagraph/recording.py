@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_cudagraph.graphs.backend import RecordedCall
-from lightning_cudagraph.observation import Behaviour
+from lightning_cudagraph.observation import Behaviour, frozen_by_a_graph
 from lightning_cudagraph.scopes import Target
 from lightning_cudagraph.signature import (
     CallSignature,
@@ -181,7 +181,8 @@ class WarmupRecorder:
             if not first.grad_enabled or not first.training:
                 plan.skipped[target.name] = "runs without grad or in eval mode during training steps"
                 continue
-            python = _python_problem([step.behaviours[index] for step in steps if index in step.behaviours])
+            # The first call may set things up (a lazy cache); calls are compared from the second on.
+            python = frozen_by_a_graph([step.behaviours[index] for step in steps if index in step.behaviours])
             if python is not None:
                 plan.python[target.name] = plan.skipped[target.name] = (
                     f"step_python: its forward's Python {python}, which a graph would freeze"
@@ -197,22 +198,6 @@ class WarmupRecorder:
                 return plan
             plan.calls.append(RecordedCall(target.name, target.module, self._run_of(index), signature, samples))
         return plan
-
-
-def _python_problem(behaviours: list[Behaviour]) -> str | None:
-    """What a region's recorded calls show that a graph would freeze, or ``None``.
-
-    A draw counts in any call; after the first call (which may set things up), an attribute it changes, or other
-    operations than the second call launched.
-    """
-    for index, behaviour in enumerate(behaviours):
-        found = behaviour.depends() or (behaviour.changes() if index else None)
-        if found is None and index >= 2:
-            change = behaviours[1].differs(behaviour)
-            found = f"launched other operations from one call to the next: {change}" if change else None
-        if found is not None:
-            return found
-    return None
 
 
 def target_name(targets: Sequence[Target], index: int) -> str:

@@ -24,7 +24,7 @@ from lightning_cudagraph.config import FULL_ITERATION
 from lightning_cudagraph.drivers.accumulation import Position
 from lightning_cudagraph.graphs.optimizers import describe_step_hooks
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.observation import Behaviour, Observer, watched_index
+from lightning_cudagraph.observation import SKIP_FIX, Behaviour, Observer, frozen_by_a_graph, watched_index
 from lightning_cudagraph.stages import StageMachine
 
 if TYPE_CHECKING:
@@ -70,9 +70,8 @@ class StepPython:
         self.observer, self.component, self.setup_steps = observer, component, setup_steps
         #: Why the step's Python cannot be held by a whole-step graph (``None`` while nothing showed it).
         self.problem: str | None = None
-        #: Per batch key: the steps seen, and the first one after the set-up steps (the reference).
-        self._seen: dict[Any, int] = {}
-        self._reference: dict[Any, Behaviour] = {}
+        #: Per batch key: the set-up steps, the first one after them (the reference) and the latest.
+        self._spans: dict[Any, list[Behaviour]] = {}
         self._current: Behaviour | None = None
         self._epoch: int | None = None
         self._planned: Any = _UNOBSERVED  # (batch key, whether it re-checks) of the step planned to run observed
@@ -184,32 +183,18 @@ class StepPython:
             self.observer.pause()
 
     def _judge(self, key: Any, seen: Behaviour) -> None:
-        """Weigh one observed step.
-
-        A read, a draw or a skip counts in any step; changes count after the set-up steps, and operations are compared
-        with the first step after them.
-        """
-        count = self._seen[key] = self._seen.get(key, 0) + 1
-        reference = self._reference.setdefault(key, seen) if count > self.setup_steps else None
-        found = seen.depends()
-        if found is None and reference is not None:
-            found = seen.changes() or _differs(reference, seen)
+        """Weigh one observed step against the steps of its batch key before it (:func:`frozen_by_a_graph`)."""
+        spans = self._spans.setdefault(key, [])
+        spans.append(seen)
+        del spans[self.setup_steps + 1 : -1]  # the steps between were weighed already: keep the set-up and reference
+        found = frozen_by_a_graph(spans, self.setup_steps)
         if found is not None and self.problem is None:
             self.problem = step_python_reason(f"training_step {found}", _fix(seen))
 
 
-def _differs(first: Behaviour, later: Behaviour) -> str | None:
-    change = first.differs(later)
-    return f"launched other operations than a step before: {change}" if change is not None else None
-
-
 def _fix(seen: Behaviour) -> str:
     if seen.skipped:
-        return (
-            "where skipping means leaving the batch out of the loss, mask it instead (multiply the loss by a 0/1"
-            " tensor); otherwise use a scoped level (strategy='cudagraph' or scope=['layer']), which runs"
-            " training_step every step"
-        )
+        return SKIP_FIX
     if seen.random:
         return (
             "draw with torch on the device (torch.rand(..., device=self.device)), which a replay draws anew, or use a"

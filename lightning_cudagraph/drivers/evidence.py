@@ -62,7 +62,9 @@ class StateWatch:
         self._flags: list[bool] = []
         self._addresses: list[int] = []
         self._modules: list[tuple[str, torch.nn.Module, torch.nn.Module | None]] = []
+        self._inside: list[torch.nn.Module] = []
         self._modes: list[bool] = []
+        self._region_modes: list[bool | None] = []
         self._dicts: list[dict[Any, Any]] = []
         self._lengths: list[int] = []
         self._sizes = 0

@@ -42,6 +42,7 @@ from lightning_cudagraph.drivers.step_pieces import (
 from lightning_cudagraph.drivers.step_replay import StepReplays, run_eagerly
 from lightning_cudagraph.graphs.backend import CaptureBackend
 from lightning_cudagraph.health import Stage
+from lightning_cudagraph.observation import SKIP_FIX
 from lightning_cudagraph.snapshot import TrainingState
 from lightning_cudagraph.stages import StageMachine
 
@@ -355,7 +356,5 @@ def skipped_at_capture(step: int) -> str:
     """The rollback reason of a whole step captured on a batch that ``training_step`` skipped."""
     return (
         f"skipped_step: training_step returned None at step {step}, the step being captured, so its graph would hold"
-        " no backward and no optimizer step and every replay would train nothing. Fix: where skipping means leaving"
-        " the batch out of the loss, mask it instead (multiply the loss by a 0/1 tensor); otherwise use a scoped"
-        " level (strategy='cudagraph' or scope=['layer']), which runs training_step every step"
+        f" no backward and no optimizer step and every replay would train nothing. Fix: {SKIP_FIX}"
     )
