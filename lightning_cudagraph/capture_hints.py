@@ -1,8 +1,9 @@
 """What a failed capture means in a layout the package knows, and its fix.
 
-A capture fails on a host sync (``.item()``, a data-dependent branch, a tensor's size read on the host). The error
-names the operation, not the module or the fix. Where the captured module holds a layout whose host sync is known,
-the reason says which module and what to change:
+A capture fails on a host sync (``.item()``, a data-dependent branch, a tensor's size read on the host), and an
+observed step whose operations follow the data cannot be frozen into a whole-step graph. The error names the
+operation, not the module or the fix. Where the module holds a layout whose host sync is known, the reason says
+which module and what to change:
 
 - Hugging Face MoE experts run with ``experts_implementation="eager"`` loop over the experts that received tokens,
   which reads the routing on the host; ``set_experts_implementation("grouped_mm")`` (or ``"batched_mm"``) routes
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["capture_failure"]
+__all__ = ["capture_failure", "known_cause"]
 
 #: Words of the errors a host sync inside a capture raises (CUDA's, and the CPU test double's).
 _HOST_SYNC = ("operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported")
@@ -30,13 +31,25 @@ def capture_failure(error: BaseException, module: torch.nn.Module | None) -> str
     reason = f"capture_failed: {type(error).__name__}: {error}"
     if module is None or not any(words in str(error) for words in _HOST_SYNC):
         return reason
+    known = known_cause(module)
+    return reason if known is None else f"{reason}. {known[0]}. Fix: {known[1]}"
+
+
+def known_cause(module: torch.nn.Module) -> tuple[str, str] | None:
+    """The module inside ``module`` whose layout syncs with the host, as ``(cause, fix)``; ``None`` where none is known.
+
+    Example:
+        >>> import torch
+        >>> known_cause(torch.nn.Linear(2, 2)) is None
+        True
+    """
     eager = next((name for name, inner in module.named_modules() if _eager_experts(inner)), None)
     if eager is None:
-        return reason
+        return None
     return (
-        f"{reason}. {eager or 'the module'} runs Hugging Face's eager MoE experts, whose loop over the experts reads"
-        " the routing on the host. Fix: model.set_experts_implementation('grouped_mm') (or 'batched_mm') before the"
-        " fit: both route on the device"
+        f"{eager or 'the module'} runs Hugging Face's eager MoE experts, whose loop over the experts reads the routing"
+        " on the host",
+        "model.set_experts_implementation('grouped_mm') (or 'batched_mm') before the fit: both route on the device",
     )
 
 

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._lightning import step_loss
 from lightning_cudagraph.batches import batch_key
+from lightning_cudagraph.capture_hints import known_cause
 from lightning_cudagraph.config import FULL_ITERATION
 from lightning_cudagraph.drivers.accumulation import Position
 from lightning_cudagraph.graphs.optimizers import describe_step_hooks
@@ -160,7 +161,7 @@ class StepPython:
             finally:
                 self._current = None
         self._epoch = epoch
-        self._judge(key, seen)
+        self._judge(key, seen, module)
         return output
 
     def step_arguments(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -182,13 +183,18 @@ class StepPython:
         if self._current is not None:
             self.observer.pause()
 
-    def _judge(self, key: Any, seen: Behaviour) -> None:
+    def _judge(self, key: Any, seen: Behaviour, module: torch.nn.Module) -> None:
         """Weigh one observed step against the steps of its batch key before it (:func:`frozen_by_a_graph`)."""
         spans = self._spans.setdefault(key, [])
         spans.append(seen)
         del spans[self.setup_steps + 1 : -1]  # the steps between were weighed already: keep the set-up and reference
         found = frozen_by_a_graph(spans, self.setup_steps)
-        if found is not None and self.problem is None:
+        if found is None or self.problem is not None:
+            return
+        known = known_cause(module) if not (seen.skipped or seen.random or seen.reads) else None
+        if known is not None:  # operations that follow the data, in a layout whose fix is known
+            self.problem = step_python_reason(f"training_step {found} ({known[0]})", known[1])
+        else:
             self.problem = step_python_reason(f"training_step {found}", _fix(seen))
 
 

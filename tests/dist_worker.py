@@ -14,6 +14,7 @@ and fingerprints of its final parameters. ``tests/test_rank_agreement.py`` compa
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import math
@@ -40,6 +41,9 @@ from tests.models import TINY, TINY_DATA, decoder  # noqa: E402
 
 #: A collective that waits longer than this raises instead of hanging (the test's own timeout is the last resort).
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+#: A rank still running after this long prints every thread's stack to the launch log and exits: a hang outside any
+#: collective (a rendezvous, a teardown) then fails the test with the place it hung, before the test's own timeout.
+HANG_S = 150
 #: Eager steps before the first capture of a scoped case.
 WARMUP = 2
 #: ``scope="auto"``: warmup, then per scoped level capture and parity, one graphed confirmation step and the timed
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--case", required=True, choices=sorted(CASES))
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     rank = int(os.environ["RANK"])
     result = run_case(args.case, rank)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -34,3 +34,17 @@ def test_a_layer_holding_eager_moe_experts_is_left_eager_with_the_fix():
     trainer(4, [callback], **CPU).fit(model, data)
     reasons = callback.report.exclusions
     assert reasons and all(FIX in reason for reason in reasons.values()), reasons
+
+
+def test_eager_moe_experts_whose_operations_follow_the_routing_name_the_experts_and_the_fix():
+    """Observed steps route other token counts to the experts: the whole step is left out for that, with the fix."""
+    model, data = hf_causal_lm("qwen3_moe")
+    model.model.set_experts_implementation("eager")
+    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=3)
+    strategy.capture_backend = FakeBackend()
+    with pytest.warns(UserWarning, match="step_python"):
+        trainer(5, strategy=strategy, **CPU).fit(model, data)
+    reason = graph_callback(model.trainer).report.reason
+    assert reason.startswith("rollback: step_python: training_step launched other operations"), reason
+    assert "model.model.layers.0.mlp.experts runs Hugging Face's eager MoE experts" in reason, reason
+    assert reason.endswith(f"Fix: model.{FIX} (or 'batched_mm') before the fit: both route on the device"), reason

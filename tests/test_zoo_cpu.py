@@ -118,3 +118,21 @@ def test_the_whole_step_keeps_a_constant_step_and_leaves_out_steps_whose_python_
     assert classes == {"device_tensordataset": "graphs-ok", **dict.fromkeys(names[1:], "eager-with-reason")}, classes
     for name in names[1:]:
         assert "step_python" in runs[name]["runs"][0]["reason"], runs[name]["runs"][0]["reason"]
+
+
+def test_the_moe_variant_runs_only_for_moe_entries():
+    (entry,) = entries_named(["device_tensordataset"])
+    record = zoo.run_entry(entry, ["moe"], CPU_FAKE, say=lambda line: None)
+    assert record["runs"] == [], "Megatron's MoE scopes find nothing to capture in a dense model: not run"
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.moe], ids=lambda e: e.name)
+def test_each_moe_entry_builds_a_dropless_model_whose_loss_holds_the_router_loss(entry):
+    pytest.importorskip("transformers")
+    built = entry.build(zoo.BuildContext(torch.device("cpu"), steps=2, batches=2))
+    (ids,) = next(iter(built.loader))
+    net = built.module.net
+    output = net(input_ids=ids[:, :32], labels=ids[:, :32])
+    assert output.aux_loss is not None and output.aux_loss.item() > 0, "the router's auxiliary loss is computed"
+    asked = entry.name.split("_")[-2] + "_mm" if entry.name.endswith("_mm") else "eager"
+    assert net.config._experts_implementation == asked

@@ -206,6 +206,8 @@ class Entry:
         steps: Optimizer steps of a fit at ``--steps`` 64 (scaled with ``--steps``).
         layer_modules: ``modules={"layer": ...}`` (a glob or a class) for the ``layer`` variant where the built-in
             ``layer`` patterns find nothing (what the package's refusal tells a user to pass).
+        moe: A mixture-of-experts model: the ``moe`` variant (Megatron's scopes: attention and the router) runs for
+            it too.
     """
 
     name: str
@@ -217,6 +219,7 @@ class Entry:
     clip: float | None = None
     steps: int = 64
     layer_modules: str | type[nn.Module] | None = None
+    moe: bool = False
 
 
 def missing_libraries(entry: Entry) -> list[str]:
@@ -353,6 +356,40 @@ def build_lora_llama(ctx: BuildContext) -> Built:
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     net = get_peft_model(_llama(), lora)
     return Built(ZooModule(net, _token_loss, _adamw(3e-3)), _token_loader(ctx))
+
+
+def build_moe(family: str, experts: str) -> Callable[[BuildContext], Built]:
+    """A dropless Hugging Face MoE causal LM (``family``: ``qwen3_moe``, ``olmoe``, ``mixtral``) from its config class,
+    4 layers of 8 experts, top-2, the router's auxiliary loss in the loss, experts run by ``experts``
+    (``grouped_mm``, ``batched_mm`` or ``eager``, set with ``set_experts_implementation``); sequence 256, batch 8.
+    """
+
+    def build(ctx: BuildContext) -> Built:
+        import transformers
+
+        config_class, model_class = MOE_FAMILIES[family]
+        # fmt: off
+        config = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
+                  "use_cache": False, "output_router_logits": True, "router_aux_loss_coef": 0.01}
+        # fmt: on
+        if family == "mixtral":
+            config.update(num_local_experts=8, num_experts_per_tok=2)
+        else:
+            config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+        net = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+        net.set_experts_implementation(experts)
+        return Built(ZooModule(net, _token_loss, _adamw()), _token_loader(ctx, seq=256))
+
+    return build
+
+
+#: Config and model classes of the MoE families the zoo builds.
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
 
 
 def _gpt2(dropout: float, use_cache: bool | None = False) -> nn.Module:
@@ -700,6 +737,16 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("llama_bf16", HF, 'LlamaForCausalLM, precision="bf16-mixed"', build_llama_bf16, precision="bf16-mixed"),
     Entry("gpt2_default_cache", HF, "GPT-2 config left at its defaults (use_cache=True)", build_gpt2_default_cache),
     Entry("t5_tiny", HF, "T5 encoder-decoder, dropout 0.1", build_t5),
+    Entry("qwen3_moe_grouped_mm", HF, "Qwen3-MoE 4x8 experts top-2, grouped_mm experts, router aux loss, bf16-mixed",
+          build_moe("qwen3_moe", "grouped_mm"), precision="bf16-mixed", steps=100, moe=True),
+    Entry("qwen3_moe_batched_mm", HF, "Qwen3-MoE 4x8 experts top-2, batched_mm experts, router aux loss",
+          build_moe("qwen3_moe", "batched_mm"), steps=100, moe=True),
+    Entry("qwen3_moe_eager_experts", HF, "Qwen3-MoE 4x8 experts top-2, eager experts (a host sync), bf16-mixed",
+          build_moe("qwen3_moe", "eager"), precision="bf16-mixed", steps=100, moe=True),
+    Entry("olmoe_grouped_mm", HF, "OLMoE 4x8 experts top-2, grouped_mm experts, router aux loss",
+          build_moe("olmoe", "grouped_mm"), steps=100, moe=True),
+    Entry("mixtral_grouped_mm", HF, "Mixtral 4x8 experts top-2, grouped_mm experts, router aux loss, bf16-mixed",
+          build_moe("mixtral", "grouped_mm"), precision="bf16-mixed", steps=100, moe=True),
     Entry("whisper_tiny", HF, "Whisper encoder-decoder on log-mel features", build_whisper),
     # Wav2Letter's Sequential also holds ReLU(inplace=True), which is no region of its own: select the convolutions.
     Entry("wav2letter_ctc", ("torchaudio",), "torchaudio Wav2Letter, CTC loss", build_wav2letter,
