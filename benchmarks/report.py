@@ -608,6 +608,8 @@ SECTIONS: dict[str, tuple[str, str, Callable[[dict[str, Any]], str]]] = {
     "shapes": ("Batches whose shape changes", "benchmarks/shapes.py", shapes_section),
     "audit": ("The numerics guard: what an audit costs", "benchmarks/audit_cost.py", audit_section),
     "zoo": ("Real training code: the model zoo", "zoo/run.py", zoo_section),
+    "moe": ("Dropless MoE: the zoo's Hugging Face MoE entries", "zoo/run.py --only qwen3_moe_grouped_mm,..."
+            " --variants cudagraph,full,moe", zoo_section),
     "accumulation": ("Gradient accumulation inside the whole step", "benchmarks/accumulation.py",
                      accumulation_section),
     "cnn": ("torchvision CNNs through `CUDAGraphCallback()`", "benchmarks/cnn.py", cnn_section),

@@ -1,1 +1,0 @@
-"""Capture-mode drivers: scoped regions (PyTorch or Transformer Engine) and the whole training step."""

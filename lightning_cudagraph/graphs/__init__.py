@@ -1,1 +1,0 @@
-"""Graph mechanics: the capture backend seam, the CUDA backend, scoped regions (PyTorch, Transformer Engine)."""
