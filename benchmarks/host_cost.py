@@ -33,9 +33,9 @@ import torch
 from typing_extensions import override
 
 from lightning_cudagraph import CUDAGraphCallback
-from lightning_cudagraph.graphs.backend import CaptureBackend, CapturePassResult, RecordedCall
-from lightning_cudagraph.recording import WarmupRecorder
-from lightning_cudagraph.scopes import Target
+from lightning_cudagraph._backend.backend import CaptureBackend, CapturePassResult, RecordedCall
+from lightning_cudagraph._options.scopes import Target
+from lightning_cudagraph._trust.recording import WarmupRecorder
 from tests.fake_backend import FakeBackend
 from tests.models import Block, Decoder, DecoderModule, decoder
 
@@ -188,7 +188,7 @@ class HostClock(pl.Callback):
 def make_backend(device: str) -> CaptureBackend:
     if device == "cpu":
         return ThinBackend()
-    from lightning_cudagraph.graphs.cuda import CUDABackend
+    from lightning_cudagraph._backend.cuda import CUDABackend
 
     return CUDABackend(torch.device("cuda"))
 
@@ -273,8 +273,8 @@ def capture_times(rounds: int, steps: int) -> None:
     """Capture ms of the small GPT's ``layer`` level: the previous capture path against today's, alternated."""
     from benchmarks.core import models
     from benchmarks.core.timing import fresh_device
-    from lightning_cudagraph.drivers import base
-    from lightning_cudagraph.graphs import capture
+    from lightning_cudagraph._backend import capture
+    from lightning_cudagraph._graphs import base
 
     figures: dict[str, list[tuple[float, str]]] = {"previous": [], "now": []}
     warmups = {"previous": 3, "now": base.CAPTURE_WARMUP_ITERS}

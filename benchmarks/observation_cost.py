@@ -7,7 +7,7 @@
 and without it (patched out), alternated round by round in one process: the replayed step's cost of the check.
 
 The eager steps before the first capture (and one per epoch while the whole step replays) run observed
-(:mod:`lightning_cudagraph.step_python`): per-step reads, random draws, attribute changes, and a trace of the
+(:mod:`lightning_cudagraph._rollout.step_python`): per-step reads, random draws, attribute changes, and a trace of the
 operations with their Python numbers. This times one training step of the example GPT (forward, loss, backward,
 AdamW) plainly and observed, with the trace and without it (``compile=`` turns the trace off), alternated round by
 round in one process. A replayed step runs none of the observation; what it does run is the check of the modules
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from benchmarks.core import records
 from benchmarks.core.models import CONFIGS, model_args
-from lightning_cudagraph.drivers.evidence import StateWatch
-from lightning_cudagraph.observation import Observer
-from lightning_cudagraph.step_python import StepPython
+from lightning_cudagraph._rollout.step_python import StepPython
+from lightning_cudagraph._trust.evidence import StateWatch
+from lightning_cudagraph._trust.observation import Observer
 
 WAYS = ("plain", "observed", "observed_untraced")
 

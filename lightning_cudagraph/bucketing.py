@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_cudagraph.config import config_error
+from lightning_cudagraph._options.config import config_error
 
 
 def bucket_length(length: int, buckets: Sequence[int] | None = None, multiple: int | None = None) -> int:

@@ -2,7 +2,7 @@
 
 Counters are plain Python integers bumped on the host. The report is written by the stage machine, the drivers
 and the level runner, and read by the user (``callback.report``) and the logged metrics
-(:mod:`lightning_cudagraph.reporting`); nothing reads it back to decide what to do.
+(:mod:`lightning_cudagraph._rollout.reporting`); nothing reads it back to decide what to do.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class Stage(IntEnum):
 
 @dataclass
 class EvaluationRecord:
-    """The evaluation graphs of a fit or loop (validation, test, predict): :mod:`lightning_cudagraph.evaluation`.
+    """The evaluation graphs of a fit or loop (validation, test, predict).
+
+    Made by :mod:`lightning_cudagraph._rollout.evaluation`.
 
     Attributes:
         mode: What the last evaluation loop ran on: ``"whole_step"`` (one forward-only graph per step hook and

@@ -16,9 +16,9 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from typing_extensions import override
 
 from lightning_cudagraph._lightning import single_device_root
-from lightning_cudagraph.errors import config_error
-from lightning_cudagraph.keywords import checks_keywords, config_from
-from lightning_cudagraph.preflight import check_ddp_warmup
+from lightning_cudagraph._options.errors import config_error
+from lightning_cudagraph._options.keywords import checks_keywords, config_from
+from lightning_cudagraph._rollout.preflight import check_ddp_warmup
 from lightning_cudagraph.strategy_base import CUDAGraphStrategyBase
 
 __all__ = ["CUDAGraphStrategy", "DDPCUDAGraphStrategy", "register_strategies"]
@@ -41,7 +41,7 @@ class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
             ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
         scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package's
-            strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from
+            strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph._rollout.ladder`), or a list from
             ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a
             comma-separated string works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and
             needs :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
@@ -77,18 +77,18 @@ class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
         eval_graphs: Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole
             evaluation step through the package's strategies, the trained level's regions through the callback alone
             (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
-            evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.
+            evaluation always runs eagerly. See :mod:`lightning_cudagraph._rollout.evaluation`.
         optimizer_graph: Through the package's strategies, a scoped level replays the optimizer's update (with its
             learning-rate tensors) as a graph of its own after the eager backward, checked against the eager update
             first. ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback
-            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph.drivers.optimizer_graph`.
+            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph._graphs.optimizer_graph`.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
             ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed ``scope``
             (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
             ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
-            :mod:`lightning_cudagraph.compiling`.
+            :mod:`lightning_cudagraph._backend.compiling`.
 
     Example::
 
@@ -166,7 +166,7 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
             ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
         scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package's
-            strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from
+            strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph._rollout.ladder`), or a list from
             ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a
             comma-separated string works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and
             needs :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
@@ -202,18 +202,18 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         eval_graphs: Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole
             evaluation step through the package's strategies, the trained level's regions through the callback alone
             (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
-            evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.
+            evaluation always runs eagerly. See :mod:`lightning_cudagraph._rollout.evaluation`.
         optimizer_graph: Through the package's strategies, a scoped level replays the optimizer's update (with its
             learning-rate tensors) as a graph of its own after the eager backward, checked against the eager update
             first. ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback
-            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph.drivers.optimizer_graph`.
+            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph._graphs.optimizer_graph`.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
             ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed ``scope``
             (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
             ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
-            :mod:`lightning_cudagraph.compiling`.
+            :mod:`lightning_cudagraph._backend.compiling`.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Example::

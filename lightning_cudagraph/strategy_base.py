@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_cudagraph._backend.backend_setting import HoldsCaptureBackend
 from lightning_cudagraph._lightning import (
     accumulating,
     accumulation_sync_blocked,
@@ -25,11 +26,10 @@ from lightning_cudagraph._lightning import (
     trainer_callbacks,
     trainer_of,
 )
-from lightning_cudagraph.backend_setting import HoldsCaptureBackend
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.environment import ensure_graph_safe_allocator
+from lightning_cudagraph._rollout.rollout import Rollout
 from lightning_cudagraph.callback import CUDAGraphCallback
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.environment import ensure_graph_safe_allocator
-from lightning_cudagraph.rollout import Rollout
 
 __all__ = ["CUDAGraphStrategyBase", "attach_callback"]
 
@@ -101,7 +101,7 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
         return self._evaluation_step(lambda: super(CUDAGraphStrategyBase, self).predict_step(*args, **kwargs))
 
     def _evaluation_step(self, step: Callable[[], Any]) -> Any:
-        """An evaluation step, on its forward-only graph where there is one (:mod:`lightning_cudagraph.evaluation`)."""
+        """An evaluation step, on its forward-only graph where there is one (``_rollout/evaluation.py``)."""
         rollout, module = self.rollout, self.lightning_module
         if rollout is None or module is None:
             return step()

@@ -1,7 +1,7 @@
 """Write the options into the signatures and ``Args:`` of the callback and both strategies, or check them.
 
-The options are declared once, in ``lightning_cudagraph/options.py`` (``OPTIONS``). Each class lists them as explicit
-keyword parameters, so type checkers, IDEs and LightningCLI see them, and describes them in its ``Args:``. This
+The options are declared once, in ``lightning_cudagraph/_options/options.py`` (``OPTIONS``). Each class lists them as
+explicit keyword parameters, so type checkers, IDEs and LightningCLI see them, and describes them in its ``Args:``. This
 script writes both from the declaration:
 
     python scripts/option_signatures.py          # rewrite the classes
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_options() -> ModuleType:
-    """``lightning_cudagraph/options.py`` alone: the package's import needs the classes this script writes."""
-    spec = importlib.util.spec_from_file_location("_declared_options", ROOT / "lightning_cudagraph" / "options.py")
+    """``lightning_cudagraph/_options/options.py`` alone: the package's import needs the classes this script writes."""
+    spec = importlib.util.spec_from_file_location("_declared_options", ROOT / "lightning_cudagraph" / "_options" / "options.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -116,7 +116,7 @@ def main() -> int:
                 file.write_text(written)
     if check and stale:
         print(
-            f"option_signatures: the options differ from lightning_cudagraph/options.py in {', '.join(stale)};"
+            f"option_signatures: the options differ from lightning_cudagraph/_options/options.py in {', '.join(stale)};"
             " run `python scripts/option_signatures.py`",
             file=sys.stderr,
         )

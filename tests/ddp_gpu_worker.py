@@ -47,7 +47,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: 
 from torch.utils.data import DataLoader, Subset  # noqa: E402
 
 from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy  # noqa: E402
-from lightning_cudagraph.preflight import DDP_WHOLE_STEP_WARMUP_STEPS  # noqa: E402
+from lightning_cudagraph._rollout.preflight import DDP_WHOLE_STEP_WARMUP_STEPS  # noqa: E402
 from tests.dist_worker import COLLECTIVE_TIMEOUT, fingerprint, report_fields  # noqa: E402
 from tests.helpers import (  # noqa: E402
     RaiseAtStep,

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy  # noqa: E402
-from lightning_cudagraph.ladder import MAX_MEASURE_STEPS  # noqa: E402
+from lightning_cudagraph._rollout.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
 from tests.helpers import LEVEL_MS, LossRecorder, RebindAt, graph_callback, timed_by_level, trainer  # noqa: E402
 from tests.models import TINY, TINY_DATA, decoder  # noqa: E402

@@ -1,6 +1,6 @@
 """A capture backend for CPU tests, as strict as CUDA graphs about what a replay sees.
 
-It implements the package's seam (:class:`lightning_cudagraph.graphs.backend.CaptureBackend`), so on a CPU the whole
+It implements the package's seam (:class:`lightning_cudagraph._backend.backend.CaptureBackend`), so on a CPU the whole
 lifecycle runs for real: warmup recording, the capture decision, patched forwards, confirmation, replay counting,
 fallbacks, rollback and release. Where CUDA would replay recorded kernels, the fake replays what it recorded:
 
@@ -13,7 +13,7 @@ fallbacks, rollback and release. Where CUDA would replay recorded kernels, the f
   fires no hooks of the modules inside it, and hands parameter gradients to autograd in its own static buffers, as
   a graph's backward does (with gradient accumulation they must be moved out before the next backward).
 - Optimizers are switched to their capturable form for real (:class:`FakeOptimizer` wraps
-  :class:`~lightning_cudagraph.graphs.optimizers.CapturableOptimizer`).
+  :class:`~lightning_cudagraph._backend.optimizers.CapturableOptimizer`).
 - A host sync (``.item()``) inside a capture fails it, as it does on CUDA.
 
 What it cannot stand in for (tests/FAKE_BACKEND.md): kernels, streams, memory pools and their reuse, CUDA's RNG
@@ -33,12 +33,18 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_cudagraph.graphs.backend import CaptureBackend, CaptureMethod, CapturePassResult, RecordedCall, StepGraph
-from lightning_cudagraph.graphs.local import tensor_addresses
-from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
-from lightning_cudagraph.hooks import hooks_stashed
-from lightning_cudagraph.signature import distinct_tensors, rebuild_call
-from lightning_cudagraph.timing import StepTimer
+from lightning_cudagraph._backend.backend import (
+    CaptureBackend,
+    CaptureMethod,
+    CapturePassResult,
+    RecordedCall,
+    StepGraph,
+)
+from lightning_cudagraph._backend.local import tensor_addresses
+from lightning_cudagraph._backend.optimizers import CapturableOptimizer
+from lightning_cudagraph._backend.signature import distinct_tensors, rebuild_call
+from lightning_cudagraph._backend.timing import StepTimer
+from lightning_cudagraph._options.hooks import hooks_stashed
 
 #: Operations that read a device value back to the host: a CUDA capture fails on them.
 HOST_SYNCS = frozenset({"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero"})
@@ -72,7 +78,7 @@ class _NoHostSync(TorchDispatchMode):
 class FakeRegion:
     """A captured region: the original forward, run as captured; ``distort`` scales what a replay returns.
 
-    Like :class:`~lightning_cudagraph.graphs.local.GraphedRegion`: the modules inside run in the training mode they
+    Like :class:`~lightning_cudagraph._backend.local.GraphedRegion`: the modules inside run in the training mode they
     had at capture and fire no hooks; the output's non-tensor parts are the capture's; the trainable parameters are
     those of the capture, and their gradients come back in static buffers that autograd adopts as ``param.grad``
     when it is ``None`` (the next backward rewrites them: :meth:`detach_accumulated_grads` copies them out first).

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphStrategy, Stage
-from lightning_cudagraph.drivers.accumulation import Place, Position
+from lightning_cudagraph._graphs.accumulation import Place, Position
 from tests.fake_backend import FakeBackend
 from tests.helpers import (
     LossRecorder,
@@ -220,7 +220,7 @@ class _Writes:
 def test_accumulated_parameter_gradients_survive_the_next_backward_replay(copies):
     # Under accumulation a region's backward hands autograd copies of its gradient buffers: the first micro-batch's
     # gradient is adopted as param.grad, and the next replay rewrites the buffer before autograd adds to it.
-    from lightning_cudagraph.graphs.local import GraphedRegion, _GraphedCall
+    from lightning_cudagraph._backend.local import GraphedRegion, _GraphedCall
 
     weight = torch.nn.Parameter(torch.zeros(3))
     weight_grad = torch.zeros(3)

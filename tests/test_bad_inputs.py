@@ -12,10 +12,10 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
+from lightning_cudagraph._backend.cuda import CUDABackend
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.options import TE_INSTALL
 from lightning_cudagraph.bucketing import PadToBucket
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.graphs.cuda import CUDABackend
-from lightning_cudagraph.options import TE_INSTALL
 from tests.fake_backend import FakeBackend
 from tests.helpers import fit, trainer
 from tests.models import MLP, TINY, DecoderModule, decoder

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightning_cudagraph.batches import batch_key, batch_tensors, copy_into, describe_batch_key, own_copy
+from lightning_cudagraph._options.batches import batch_key, batch_tensors, copy_into, describe_batch_key, own_copy
 
 
 class Encoding(UserDict):

@@ -288,7 +288,8 @@ def test_the_report_without_json_says_so(tmp_path, capsys):
 def test_the_committed_results_give_every_docs_section(tmp_path):
     text, drawn = report.render(report.load(report.RESULTS), report.RESULTS, None, tmp_path / "benchmarks.md")
     headings = [line for line in text.splitlines() if line.startswith("## ")]
-    assert headings[0] == "## README table" and len(headings) == 17, headings
+    assert headings[0] == "## README table" and len(headings) == 18, headings
+    assert "## Dropless MoE: the zoo's Hugging Face MoE entries" in headings
     assert "## Gradient accumulation inside the whole step" in headings
     reads = json.loads((report.RESULTS / "host_read" / "host_read.json").read_text())["cases"]["item"]["median_ms"]
     assert f"{reads['layer'] / reads['auto']:.3f}x the callback's `layer`" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
+from lightning_cudagraph._backend.optimizers import CapturableOptimizer
 
 
 def _adamw(**kwargs) -> torch.optim.AdamW:

@@ -8,9 +8,9 @@ import weakref
 import pytest
 import torch
 
-from lightning_cudagraph.graphs import cuda
-from lightning_cudagraph.graphs.backend import CapturePassResult
-from lightning_cudagraph.graphs.capture import gc_frozen
+from lightning_cudagraph._backend import cuda
+from lightning_cudagraph._backend.backend import CapturePassResult
+from lightning_cudagraph._backend.capture import gc_frozen
 
 
 def test_the_collector_is_frozen_inside_and_thawed_after_even_on_an_error():

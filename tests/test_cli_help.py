@@ -1,8 +1,8 @@
 """LightningCLI: every option of the callback and both strategies has its description, and errors come first.
 
 jsonargparse reads the ``Args:`` of a class docstring (docstring_parser); they are written from one declaration,
-``lightning_cudagraph.options.OPTIONS`` (tests/test_option_signatures.py checks they agree). A configuration error
-under LightningCLI ends the program with the package's message, not a jsonargparse Union traceback.
+``lightning_cudagraph._options.options.OPTIONS`` (tests/test_option_signatures.py checks they agree). A configuration
+error under LightningCLI ends the program with the package's message, not a jsonargparse Union traceback.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ pytest.importorskip("jsonargparse", reason="LightningCLI's parser (the `examples
 from jsonargparse import ArgumentParser
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.options import OPTION_DOCS
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.options import OPTION_DOCS
 from tests.test_strategies import build_cli
 
 CLASSES = [CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy]

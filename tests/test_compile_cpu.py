@@ -27,10 +27,10 @@ from torch._dynamo.callback import callback_handler
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
-from lightning_cudagraph.compile_options import CompileOptions
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.scoped import COMPILED_PARITY_TOL
-from lightning_cudagraph.preflight import _check_compile, check_trainer
+from lightning_cudagraph._graphs.scoped import COMPILED_PARITY_TOL
+from lightning_cudagraph._options.compile_options import CompileOptions
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._rollout.preflight import _check_compile, check_trainer
 from tests.fake_backend import FakeBackend
 from tests.helpers import (
     OLD_TORCH,

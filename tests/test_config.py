@@ -7,7 +7,7 @@ import pytest
 import torch.nn as nn
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy
-from lightning_cudagraph.config import SCOPES, CUDAGraphConfig
+from lightning_cudagraph._options.config import SCOPES, CUDAGraphConfig
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +160,7 @@ def test_transformer_engine_missing_names_install_command(monkeypatch):
     def find_spec(name, *args, **kwargs):
         return None if name == "transformer_engine" else real_find_spec(name, *args, **kwargs)
 
-    monkeypatch.setattr("lightning_cudagraph.validation.importlib.util.find_spec", find_spec)
+    monkeypatch.setattr("lightning_cudagraph._options.validation.importlib.util.find_spec", find_spec)
     with pytest.raises(ValueError, match="CUDAGraphCallback") as error:
         CUDAGraphCallback(impl="transformer_engine", scope=["layer"])
     assert_config_error(error, "CUDAGraphCallback", "impl='transformer_engine'", "pip install", "impl='local'")

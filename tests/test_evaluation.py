@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torchmetrics import MeanMetric
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
-from lightning_cudagraph.drivers.eval_capture import EvalFailure
+from lightning_cudagraph._graphs.eval_capture import EvalFailure
 from tests.fake_backend import FakeBackend
 from tests.helpers import RaiseAtStep, graph_callback, patched_forwards, trainer
 from tests.models import TINY, DecoderModule, decoder

@@ -1,6 +1,6 @@
 """When TE's graphs may reuse FP8 weights: the first micro-batch of each accumulation window quantizes them."""
 
-from lightning_cudagraph.graphs.te import FP8WeightCache
+from lightning_cudagraph._backend.te import FP8WeightCache
 
 BATCH = ("int64[8, 128]",)
 

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.callback import callback_handler
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph.drivers.scoped import COMPILED_PARITY_TOL
+from lightning_cudagraph._graphs.scoped import COMPILED_PARITY_TOL
 from tests.helpers import assert_losses_close, fit_cuda, graph_callback, patched_forwards
 from tests.models import SMALL, decoder
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_cudagraph import CUDAGraphReport, Stage
+from lightning_cudagraph._backend.timing import StepTimer, median
 from lightning_cudagraph.health import LEVEL_NUMBERS, LevelRecord
-from lightning_cudagraph.timing import StepTimer, median
 
 DESIGN_METRICS = {
     "cudagraph/stage",

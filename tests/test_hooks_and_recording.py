@@ -5,10 +5,10 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_globals
 
-from lightning_cudagraph.batches import batch_key
-from lightning_cudagraph.hooks import hooks_stashed, inner_hook_count
-from lightning_cudagraph.recording import WarmupRecorder
-from lightning_cudagraph.scopes import Target
+from lightning_cudagraph._options.batches import batch_key
+from lightning_cudagraph._options.hooks import hooks_stashed, inner_hook_count
+from lightning_cudagraph._options.scopes import Target
+from lightning_cudagraph._trust.recording import WarmupRecorder
 
 # ---------------------------------------------------------------------------------------------------------- hooks
 

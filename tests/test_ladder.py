@@ -17,8 +17,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.ladder import (
+from lightning_cudagraph._options.levels import Level, build_levels
+from lightning_cudagraph._rollout.ladder import (
     CHECK_STEPS,
     EAGER,
     MARGIN,
@@ -27,7 +27,7 @@ from lightning_cudagraph.ladder import (
     REFERENCE_STEPS,
     Ladder,
 )
-from lightning_cudagraph.levels import Level, build_levels
+from lightning_cudagraph.health import CUDAGraphReport
 from tests.fake_backend import FakeBackend
 from tests.helpers import (
     LEVEL_MS,

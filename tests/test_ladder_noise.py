@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from lightning_cudagraph.ladder import CHECK_STEPS, MAX_MEASURE_STEPS, MEASURE_STEPS, REFERENCE_STEPS
+from lightning_cudagraph._rollout.ladder import CHECK_STEPS, MAX_MEASURE_STEPS, MEASURE_STEPS, REFERENCE_STEPS
 from tests.fake_backend import FakeBackend
 from tests.helpers import LEVEL_MS, fit, level_of
 from tests.models import TINY, decoder

@@ -13,8 +13,8 @@ import importlib.util
 import pytest
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from lightning_cudagraph.drivers.te_scoped import FP8_PARITY_TOL
-from lightning_cudagraph.graphs import te
+from lightning_cudagraph._backend import te
+from lightning_cudagraph._graphs.te_scoped import FP8_PARITY_TOL
 from tests.fake_backend import FakeBackend
 from tests.helpers import fit
 from tests.models import TINY, decoder

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from lightning_cudagraph.reporting import ProgressBarItems
+from lightning_cudagraph._rollout.reporting import ProgressBarItems
 from tests.fake_backend import FakeBackend
 from tests.helpers import OLD_LIGHTNING, cpu_trainer
 from tests.models import TINY, TINY_DATA, decoder
@@ -359,7 +359,7 @@ class RecordingLogger(Logger):
 
 def test_logging_adds_no_tensor_on_the_device():
     # The values become CPU tensors whatever the module's device: logging them copies nothing to a GPU.
-    from lightning_cudagraph.reporting import log_through_lightning
+    from lightning_cudagraph._rollout.reporting import log_through_lightning
 
     logged: dict[str, Any] = {}
 

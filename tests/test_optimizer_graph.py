@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph.graphs.backend import StepGraph
+from lightning_cudagraph._backend.backend import StepGraph
 from tests.fake_backend import FakeBackend
 from tests.helpers import RaiseAtStep, assert_losses_close, dense_audits, fit, graph_callback, max_param_diff, trainer
 from tests.models import TINY, DecoderModule, decoder

@@ -1,4 +1,4 @@
-"""The options are declared once (lightning_cudagraph/options.py) and written into three signatures and their Args.
+"""The options are declared once (``_options/options.py``) and written into three signatures and their Args.
 
 scripts/option_signatures.py writes them; these tests fail when a class drifts from the declaration: a name, a
 default, an annotation or a description.
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.options import OPTIONS
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.options import OPTIONS
 
 docstring_parser = pytest.importorskip("docstring_parser", reason="jsonargparse's docstring reader (the `test` extra)")
 

@@ -92,8 +92,8 @@ def test_anomaly_detection_is_refused_with_graphs(options):
 
 @pytest.mark.parametrize("strategy", [FSDPStrategy, DeepSpeedStrategy])
 def test_strategies_that_move_parameters_between_steps_are_refused(strategy):
-    from lightning_cudagraph.config import CUDAGraphConfig
-    from lightning_cudagraph.preflight import check_trainer
+    from lightning_cudagraph._options.config import CUDAGraphConfig
+    from lightning_cudagraph._rollout.preflight import check_trainer
 
     run = pl.Trainer(logger=False, **CPU)
     run.strategy._lightning_module = None

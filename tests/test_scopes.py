@@ -3,8 +3,8 @@
 import pytest
 import torch.nn as nn
 
-from lightning_cudagraph.levels import build_levels
-from lightning_cudagraph.scopes import resolve_scopes
+from lightning_cudagraph._options.levels import build_levels
+from lightning_cudagraph._options.scopes import resolve_scopes
 
 
 class Attention(nn.Module):

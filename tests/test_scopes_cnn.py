@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
-from lightning_cudagraph.levels import build_levels
-from lightning_cudagraph.scopes import resolve_scopes
+from lightning_cudagraph._options.levels import build_levels
+from lightning_cudagraph._options.scopes import resolve_scopes
 from tests.cnn_models import LAYOUTS, BasicBlock, classification_loss, mobilenet_v3_small, named, resnet18
 from tests.fake_backend import FakeBackend
 from tests.helpers import assert_losses_close, fit, patched_forwards

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_cudagraph.levels import LEVEL_SCOPES, build_levels
-from lightning_cudagraph.scopes import resolve_scopes
+from lightning_cudagraph._options.levels import LEVEL_SCOPES, build_levels
+from lightning_cudagraph._options.scopes import resolve_scopes
 
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "layer")
 ENCODER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}

@@ -10,11 +10,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph.batches import batch_key
-from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.drivers.shape_change import ShapeAction, ShapeChange, ShapeDecision
+from lightning_cudagraph._options.batches import batch_key
+from lightning_cudagraph._trust.shape_cache import ShapeCache
+from lightning_cudagraph._trust.shape_change import ShapeAction, ShapeChange, ShapeDecision
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.stages import StageMachine
 from tests.fake_backend import FakeBackend
 from tests.helpers import fit, graph_callback
 from tests.models import TINY, decoder

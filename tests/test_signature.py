@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_cudagraph.signature import (
+from lightning_cudagraph._backend.signature import (
     call_signature,
     describe_change,
     distinct_tensors,

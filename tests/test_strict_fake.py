@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_cudagraph.graphs.backend import RecordedCall
-from lightning_cudagraph.signature import call_signature
+from lightning_cudagraph._backend.backend import RecordedCall
+from lightning_cudagraph._backend.signature import call_signature
 from tests.fake_backend import FakeBackend, FakeRegion
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph.hooks import hooks_stashed
+from lightning_cudagraph._options.hooks import hooks_stashed
 from tests.fake_backend import FakeBackend
 from tests.helpers import assert_losses_close, fit, graph_callback, max_param_diff, patched_forwards, trainer
 from tests.models import TINY, DecoderModule, decoder
@@ -364,7 +364,7 @@ def te_stand_in(monkeypatch):
     """Transformer Engine's entry points, recorded: returns the list of skip flags the driver set."""
     import importlib.util
 
-    from lightning_cudagraph.graphs import te
+    from lightning_cudagraph._backend import te
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -411,7 +411,7 @@ def test_when_every_region_fails_its_capture_the_fit_rolls_back_once_and_names_t
 
 
 def test_a_whole_step_shadow_step_that_gives_nan_fails_and_keeps_training_eager():
-    from lightning_cudagraph.drivers.shadow import Verdict
+    from lightning_cudagraph._trust.shadow import Verdict
 
     assert not Verdict(error=float("nan"), tolerance=1e-3).passed, "a NaN difference from eager passed"
     with pytest.warns(UserWarning, match="rolled back to eager training: parity"):

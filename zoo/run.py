@@ -259,7 +259,7 @@ class OptimizerAsPackaged(pl.Callback):
         self._switched: list[Any] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
+        from lightning_cudagraph._backend.optimizers import CapturableOptimizer
 
         device = trainer.strategy.root_device
         self._switched = [CapturableOptimizer(optimizer, device) for optimizer in trainer.optimizers]

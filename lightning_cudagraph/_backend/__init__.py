@@ -1,1 +1,1 @@
-"""The backend seam: capturing and replaying graphs (CUDA, the local implementation, Transformer Engine), and compiling."""
+"""The backend seam: capturing and replaying graphs (CUDA, the local implementation, Transformer Engine), compiling."""

@@ -2,7 +2,7 @@
 
 The drivers decide what to capture and when; a backend does the device work: the stream training runs on, the
 shared memory pool, capturing scoped regions and whole steps, making optimizers capturable, the random-number
-state around a capture, memory figures and step timing. :class:`~lightning_cudagraph.graphs.cuda.CUDABackend` is
+state around a capture, memory figures and step timing. :class:`~lightning_cudagraph._backend.cuda.CUDABackend` is
 the real one. Another backend (a test double that runs the original forward, another accelerator) implements the
 same methods and is handed to the callback or strategy as ``capture_backend``.
 """
@@ -18,9 +18,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_cudagraph.graphs.state import module_state_preserved
-from lightning_cudagraph.signature import CallSignature
-from lightning_cudagraph.timing import StepTimer
+from lightning_cudagraph._backend.signature import CallSignature
+from lightning_cudagraph._backend.state import module_state_preserved
+from lightning_cudagraph._backend.timing import StepTimer
 
 
 @dataclass

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from lightning_cudagraph.errors import Verbatim, config_error
-from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.graphs.cuda import CUDABackend
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._backend.cuda import CUDABackend
+from lightning_cudagraph._options.errors import Verbatim, config_error
 
 __all__ = ["HoldsCaptureBackend", "checked_capture_backend"]
 
@@ -23,7 +23,7 @@ class HoldsCaptureBackend:
         """The capture backend for the next fit; ``None`` uses CUDA on a CUDA device (and graphs off elsewhere).
 
         A test double or another accelerator's backend (a
-        :class:`~lightning_cudagraph.graphs.backend.CaptureBackend` instance) can be set here; it is checked when set.
+        :class:`~lightning_cudagraph._backend.backend.CaptureBackend` instance) can be set here; it is checked when set.
         A strategy hands its backend to the callback it attaches.
         """
         return self._capture_backend
@@ -48,7 +48,7 @@ def checked_capture_backend(component: str, backend: Any) -> CaptureBackend | No
     else:
         fix = (
             "leave it None (the package picks CUDA on a CUDA device), or set an instance of a"
-            " lightning_cudagraph.graphs.backend.CaptureBackend subclass"
+            " lightning_cudagraph._backend.backend.CaptureBackend subclass"
         )
     if isinstance(backend, CaptureBackend):
         shown: Any = Verbatim(f"{type(backend).__name__}(device={backend.device!r})")

@@ -5,7 +5,7 @@ With ``compile=True`` the package compiles, during the eager warmup steps, what 
 step the modules the LightningModule calls (their backward comes with AOTAutograd), for scoped graphs each
 target's forward. The capture then records the compiled kernels. Each driver owns its compiled stand-in
 (:class:`CompiledModules` or :class:`CompiledForwards`); what ``compile=`` may be is checked in
-:mod:`lightning_cudagraph.compile_options`.
+:mod:`lightning_cudagraph._options.compile_options`.
 
 :class:`CompileWatch` sees every compilation: its time is ``cudagraph/compile_s``, and one after the first capture
 is a recompile (``cudagraph/recompiles``, warned once): a guard of the compiled code failed on an eager path
@@ -28,7 +28,7 @@ from typing import Any
 import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_cudagraph.compile_options import CompileOptions
+from lightning_cudagraph._options.compile_options import CompileOptions
 
 __all__ = ["CompileWatch", "CompiledForwards", "CompiledModules", "called_modules"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_cudagraph.graphs.backend import (
+from lightning_cudagraph._backend.backend import (
     CaptureBackend,
     CaptureMethod,
     CapturePassResult,
@@ -23,16 +23,16 @@ from lightning_cudagraph.graphs.backend import (
     RecordedCall,
     StepGraph,
 )
-from lightning_cudagraph.graphs.capture import gc_frozen, graph_capture
-from lightning_cudagraph.graphs.local import capture_regions
-from lightning_cudagraph.graphs.optimizers import CapturableOptimizer
-from lightning_cudagraph.graphs.state import (
+from lightning_cudagraph._backend.capture import gc_frozen, graph_capture
+from lightning_cudagraph._backend.local import capture_regions
+from lightning_cudagraph._backend.optimizers import CapturableOptimizer
+from lightning_cudagraph._backend.state import (
     cuda_generator_guard,
     cuda_rng_preserved,
     device_index,
     module_state_preserved,
 )
-from lightning_cudagraph.timing import StepTimer
+from lightning_cudagraph._backend.timing import StepTimer
 
 
 @functools.cache
@@ -64,7 +64,7 @@ class CUDABackend(CaptureBackend):
 
     Example:
         >>> import torch
-        >>> from lightning_cudagraph.graphs.cuda import CUDABackend
+        >>> from lightning_cudagraph._backend.cuda import CUDABackend
         >>> if torch.cuda.is_available():
         ...     backend = CUDABackend(torch.device("cuda"))
         ...     backend.release()

@@ -22,10 +22,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.graphs import capture
-from lightning_cudagraph.graphs.backend import CapturePassResult, RecordedCall
-from lightning_cudagraph.graphs.capture import graph_capture
-from lightning_cudagraph.signature import CallSignature, distinct_tensors, rebuild_call
+from lightning_cudagraph._backend import capture
+from lightning_cudagraph._backend.backend import CapturePassResult, RecordedCall
+from lightning_cudagraph._backend.capture import graph_capture
+from lightning_cudagraph._backend.signature import CallSignature, distinct_tensors, rebuild_call
 
 
 @dataclass(eq=False)

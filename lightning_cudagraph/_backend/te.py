@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.graphs.backend import CapturePassResult, RecordedCall
-from lightning_cudagraph.graphs.local import autocast_of, tensor_addresses
-from lightning_cudagraph.signature import CallSignature, rebuild_call
+from lightning_cudagraph._backend.backend import CapturePassResult, RecordedCall
+from lightning_cudagraph._backend.local import autocast_of, tensor_addresses
+from lightning_cudagraph._backend.signature import CallSignature, rebuild_call
 
 
 @dataclass(eq=False)

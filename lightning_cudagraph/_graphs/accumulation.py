@@ -3,7 +3,7 @@
 With ``Trainer(accumulate_grad_batches=N)``, the micro-batches of a window do different work. The first zeroes the
 gradients, the last clips them and steps the optimizer, the ones between only add to them. Each place
 (:class:`Position`) of a batch shape gets its own whole-step graph, and a
-:class:`~lightning_cudagraph.drivers.step_pieces.StepWindow` holds them.
+:class:`~lightning_cudagraph._graphs.step_pieces.StepWindow` holds them.
 
 The graphs of one window must add into the same gradient tensors. The first micro-batch's graph writes a set of
 gradient tensors; the later places are captured while every parameter's ``.grad`` is that set, so their graphs add

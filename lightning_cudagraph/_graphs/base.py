@@ -15,11 +15,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._trust.shape_cache import ShapeCache
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.stages import StageMachine
 
 #: Capture warmup iterations per region before its capture (eager forward-backward runs). None: every region already ran
 #: eagerly on the capture stream, with the captured shapes, in the eager steps before (Transformer Engine keeps one).

@@ -1,11 +1,11 @@
 """Confirmation and audits of scoped regions: the checks a confirming step ran, weighed once the step ends.
 
 A confirming step replays each region's forward beside the eager forward on the same inputs (parity), checks the
-tensors' addresses and records the order backward graphs ran in (:mod:`lightning_cudagraph.drivers.routing`). Here
+tensors' addresses and records the order backward graphs ran in (:mod:`lightning_cudagraph._graphs.routing`). Here
 those findings decide: a region that disagrees with eager is excluded (the same ones on every rank), a wrong backward
 order or a moved parameter rolls back, and the stage machine confirms once a step ran on graphs forward and
 backward. An audit is the same check of one region again: dense right after capture, then every
-``audit_every_n_steps`` replayed steps (:mod:`lightning_cudagraph.cadence`).
+``audit_every_n_steps`` replayed steps (:mod:`lightning_cudagraph._trust.cadence`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lightning_cudagraph.cadence import AuditCadence
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.regions import RegionSet
-from lightning_cudagraph.drivers.routing import GraphSet, StepRoute
-from lightning_cudagraph.drivers.shape_cache import ShapeCache
+from lightning_cudagraph._graphs.regions import RegionSet
+from lightning_cudagraph._graphs.routing import GraphSet, StepRoute
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._trust.cadence import AuditCadence
+from lightning_cudagraph._trust.shape_cache import ShapeCache
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.stages import StageMachine
 
 
 class RegionConfirmation:
@@ -53,7 +53,7 @@ class RegionConfirmation:
         self._audits = AuditCadence(config.audit_every_n_steps)
 
     def audit_when_due(self, graph_set: GraphSet) -> None:
-        """When an audit is due (:class:`~lightning_cudagraph.cadence.AuditCadence`), check one region again.
+        """When an audit is due (:class:`~lightning_cudagraph._trust.cadence.AuditCadence`), check one region again.
 
         The regions take their turns (round-robin).
 

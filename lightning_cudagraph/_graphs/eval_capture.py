@@ -17,8 +17,8 @@ from typing import Generic, Protocol, TypeVar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_cudagraph.drivers.evidence import relative_error
-from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._trust.evidence import relative_error
 from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["CaptureCost", "EvalFailure", "EvalGraphCache", "EvalGraphs", "FailurePolicy", "parity_of"]

@@ -22,10 +22,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
-from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
+from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
+from lightning_cudagraph._backend.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
+from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
 from lightning_cudagraph.health import EvaluationRecord
-from lightning_cudagraph.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
 
 __all__ = ["EvalRegionGraphs", "RegionForward"]
 

@@ -22,11 +22,18 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
+from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
 from lightning_cudagraph._lightning import StepLogs
-from lightning_cudagraph.batches import BatchKey, batch_key, batch_tensors, copy_into, describe_batch_key, own_copy
-from lightning_cudagraph.drivers.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
-from lightning_cudagraph.drivers.evidence import MetricUpdates
-from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
+from lightning_cudagraph._options.batches import (
+    BatchKey,
+    batch_key,
+    batch_tensors,
+    copy_into,
+    describe_batch_key,
+    own_copy,
+)
+from lightning_cudagraph._trust.evidence import MetricUpdates
 from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["EvalStep", "EvalStepGraphs", "metric_in_eval_graph"]

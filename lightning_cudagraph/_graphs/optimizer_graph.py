@@ -5,7 +5,7 @@ eagerly (its regions replay inside), then the optimizer's update. The update is 
 tensors every step, so it is captured once and replayed: while the package's strategy runs Lightning's optimizer
 step, the torch optimizer's ``step`` is Lightning's closure, a copy of the fresh gradients into the graph's static
 gradient buffers, and the replay. The optimizer runs in its capturable form for the fit
-(:class:`~lightning_cudagraph.drivers.step_optimizers.StepOptimizers`, as for the whole step): learning rates are
+(:class:`~lightning_cudagraph._graphs.step_optimizers.StepOptimizers`, as for the whole step): learning rates are
 device tensors that schedulers update in place, so schedules reach the graph. Clipping stays eager, in Lightning's
 closure.
 
@@ -29,15 +29,15 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_cudagraph.cadence import AuditCadence
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.shadow import SHADOW_TOL
-from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
-from lightning_cudagraph.drivers.step_replay import run_eagerly
-from lightning_cudagraph.graphs.backend import CaptureBackend, StepGraph
-from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS, describe_step_hooks
-from lightning_cudagraph.snapshot import TrainingState
-from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
+from lightning_cudagraph._backend.optimizers import CAPTURABLE_OPTIMIZERS, describe_step_hooks
+from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
+from lightning_cudagraph._graphs.step_replay import run_eagerly
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._trust.cadence import AuditCadence
+from lightning_cudagraph._trust.shadow import SHADOW_TOL
+from lightning_cudagraph._trust.snapshot import TrainingState
+from lightning_cudagraph._trust.stages import StageMachine
 
 __all__ = ["OptimizerGraph", "optimizer_step_replaced"]
 

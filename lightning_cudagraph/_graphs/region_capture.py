@@ -3,7 +3,7 @@
 A pass captures the planned calls in execution order into one pool (:meth:`CaptureBackend.capture_regions`). Its
 outcome is agreed by every rank: a pass that fails as a whole rolls back; a region that fails (a host sync, a
 CPU-GPU copy) is left eager, or under ``scope="auto"`` a layer gives way to its parts (see
-:class:`~lightning_cudagraph.drivers.regions.RegionSet`), and the pass runs again without it into a new pool, since
+:class:`~lightning_cudagraph._graphs.regions.RegionSet`), and the pass runs again without it into a new pool, since
 the allocator cannot capture into a pool after a failed capture.
 """
 
@@ -14,21 +14,21 @@ from collections.abc import Callable, Sequence
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_cudagraph.capture_hints import capture_failure
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.evidence import MetricUpdates
-from lightning_cudagraph.drivers.regions import RegionSet
-from lightning_cudagraph.graphs.backend import (
+from lightning_cudagraph._backend.backend import (
     CaptureBackend,
     CaptureMethod,
     CapturePassResult,
     RecordedCall,
     RegionGraphs,
 )
-from lightning_cudagraph.hooks import hooks_stashed, inner_hook_count
-from lightning_cudagraph.scopes import Target
-from lightning_cudagraph.snapshot import TrainingState
-from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph._graphs.regions import RegionSet
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.hooks import hooks_stashed, inner_hook_count
+from lightning_cudagraph._options.scopes import Target
+from lightning_cudagraph._trust.capture_hints import capture_failure
+from lightning_cudagraph._trust.evidence import MetricUpdates
+from lightning_cudagraph._trust.snapshot import TrainingState
+from lightning_cudagraph._trust.stages import StageMachine
 
 
 class NarrowingCapture:

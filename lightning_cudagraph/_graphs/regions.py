@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_cudagraph._options.scopes import Target
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.scopes import Target
 
 
 class RegionSet:

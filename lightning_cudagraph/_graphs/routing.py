@@ -17,15 +17,10 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph.compiling import CompiledForwards
-from lightning_cudagraph.drivers.evidence import relative_error
-from lightning_cudagraph.graphs.backend import RegionGraphs
-from lightning_cudagraph.graphs.local import tensor_addresses
-from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.observation import Observer
-from lightning_cudagraph.recording import WarmupRecorder
-from lightning_cudagraph.scopes import Target
-from lightning_cudagraph.signature import (
+from lightning_cudagraph._backend.backend import RegionGraphs
+from lightning_cudagraph._backend.compiling import CompiledForwards
+from lightning_cudagraph._backend.local import tensor_addresses
+from lightning_cudagraph._backend.signature import (
     call_key,
     call_signature,
     describe_change,
@@ -33,6 +28,11 @@ from lightning_cudagraph.signature import (
     positional_key,
     signatures_equal,
 )
+from lightning_cudagraph._options.scopes import Target
+from lightning_cudagraph._trust.evidence import relative_error
+from lightning_cudagraph._trust.observation import Observer
+from lightning_cudagraph._trust.recording import WarmupRecorder
+from lightning_cudagraph.health import CUDAGraphReport
 
 
 class TargetForward:
@@ -146,7 +146,7 @@ class CallRouter:
         report: Replays and fallbacks are counted here (written, never read back).
         mismatch: Answers a call its region's graph was not captured for (region name, what differs): the
             fallback's reason, or it raises (``on_shape_change="error"``); see
-            :meth:`~lightning_cudagraph.drivers.shape_change.ShapeDecision.region_mismatch`.
+            :meth:`~lightning_cudagraph._trust.shape_change.ShapeDecision.region_mismatch`.
         state_problem: Says why the parameters no longer match the graphs (trainability, storage), or ``None``.
         preserved: Restores random-number and buffer state around a confirmation's graphed forward.
         observer: Watches the Python of each recorded call.

@@ -1,10 +1,10 @@
 """The scoped driver: graphs of target regions (attention, MLPs, layers, ...) inside an otherwise eager step.
 
-Stage by stage: eager stabilization records every target call (:mod:`lightning_cudagraph.recording`); the shape
-decision (:mod:`lightning_cudagraph.drivers.shape_change`) says when a batch shape is captured; capture runs the
-backend with the targets' hooks stashed (:mod:`lightning_cudagraph.drivers.region_capture`); confirmation weighs
-parity, addresses, backward order and replays (:mod:`lightning_cudagraph.drivers.confirmation`); replay is the
-router's job (:mod:`lightning_cudagraph.drivers.routing`); release resets every graph and restores every forward.
+Stage by stage: eager stabilization records every target call (:mod:`lightning_cudagraph._trust.recording`); the shape
+decision (:mod:`lightning_cudagraph._trust.shape_change`) says when a batch shape is captured; capture runs the
+backend with the targets' hooks stashed (:mod:`lightning_cudagraph._graphs.region_capture`); confirmation weighs
+parity, addresses, backward order and replays (:mod:`lightning_cudagraph._graphs.confirmation`); replay is the
+router's job (:mod:`lightning_cudagraph._graphs.routing`); release resets every graph and restores every forward.
 """
 
 from __future__ import annotations
@@ -15,24 +15,24 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_cudagraph.batches import batch_key, opaque_reason
-from lightning_cudagraph.compiling import CompiledForwards
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.base import Driver, LevelSettings
-from lightning_cudagraph.drivers.confirmation import RegionConfirmation
-from lightning_cudagraph.drivers.evidence import StateWatch
-from lightning_cudagraph.drivers.optimizer_graph import OptimizerGraph
-from lightning_cudagraph.drivers.region_capture import NarrowingCapture
-from lightning_cudagraph.drivers.regions import RegionSet
-from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, PatchedForwards, StepRoute
-from lightning_cudagraph.drivers.scoped_capture import GraphSetCapture
-from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.drivers.shape_change import ShapeAction, ShapeDecision
-from lightning_cudagraph.graphs.backend import CaptureBackend, CaptureMethod
+from lightning_cudagraph._backend.backend import CaptureBackend, CaptureMethod
+from lightning_cudagraph._backend.compiling import CompiledForwards
+from lightning_cudagraph._graphs.base import Driver, LevelSettings
+from lightning_cudagraph._graphs.confirmation import RegionConfirmation
+from lightning_cudagraph._graphs.optimizer_graph import OptimizerGraph
+from lightning_cudagraph._graphs.region_capture import NarrowingCapture
+from lightning_cudagraph._graphs.regions import RegionSet
+from lightning_cudagraph._graphs.routing import CallRouter, GraphSet, PatchedForwards, StepRoute
+from lightning_cudagraph._graphs.scoped_capture import GraphSetCapture
+from lightning_cudagraph._options.batches import batch_key, opaque_reason
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._trust.evidence import StateWatch
+from lightning_cudagraph._trust.observation import Observer
+from lightning_cudagraph._trust.recording import WarmupRecorder
+from lightning_cudagraph._trust.shape_cache import ShapeCache
+from lightning_cudagraph._trust.shape_change import ShapeAction, ShapeDecision
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.observation import Observer
-from lightning_cudagraph.recording import WarmupRecorder
-from lightning_cudagraph.stages import StageMachine
 
 #: Relative parity tolerances when ``parity_tol`` is not given: full precision, and under autocast.
 DEFAULT_PARITY_TOL = 1e-4
@@ -47,8 +47,8 @@ class ScopedDriver(Driver):
 
     Args:
         regions: Every patched target, and which of them are captured (see
-            :class:`~lightning_cudagraph.drivers.regions.RegionSet`).
-        config, component, backend, machine, settings: See :class:`~lightning_cudagraph.drivers.base.Driver`.
+            :class:`~lightning_cudagraph._graphs.regions.RegionSet`).
+        config, component, backend, machine, settings: See :class:`~lightning_cudagraph._graphs.base.Driver`.
         compiled: ``compile=``: the compiled stand-ins of the targets' forwards (what training steps run and capture).
         observer: Watches the Python of each recorded call (``None``: a fit's own, untraced).
 

@@ -1,8 +1,8 @@
 """Stages 3-4 of the scoped driver: a batch shape's capture plan from its recorded steps, then its graph set.
 
-The plan comes from the shape's eager steps (:meth:`~lightning_cudagraph.recording.WarmupRecorder.plan`): the
+The plan comes from the shape's eager steps (:meth:`~lightning_cudagraph._trust.recording.WarmupRecorder.plan`): the
 calls to capture in execution order, or why the shape is not stable. The capture passes are
-:class:`~lightning_cudagraph.drivers.region_capture.NarrowingCapture` 's; here the regions become a graph set,
+:class:`~lightning_cudagraph._graphs.region_capture.NarrowingCapture` 's; here the regions become a graph set,
 counted and checked against the memory budget and the metrics inside them. The first shape starts confirmation.
 """
 
@@ -13,17 +13,17 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_cudagraph.batches import describe_batch_key
-from lightning_cudagraph.drivers.base import Driver
-from lightning_cudagraph.drivers.evidence import StateWatch
-from lightning_cudagraph.drivers.region_capture import NarrowingCapture, say_what_stays_eager
-from lightning_cudagraph.drivers.regions import RegionSet
-from lightning_cudagraph.drivers.routing import CallRouter, GraphSet, ReplayEntry, StepRoute
-from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.drivers.shape_change import ShapeOutcome
-from lightning_cudagraph.graphs.backend import CaptureMethod
+from lightning_cudagraph._backend.backend import CaptureMethod
+from lightning_cudagraph._graphs.base import Driver
+from lightning_cudagraph._graphs.region_capture import NarrowingCapture, say_what_stays_eager
+from lightning_cudagraph._graphs.regions import RegionSet
+from lightning_cudagraph._graphs.routing import CallRouter, GraphSet, ReplayEntry, StepRoute
+from lightning_cudagraph._options.batches import describe_batch_key
+from lightning_cudagraph._trust.evidence import StateWatch
+from lightning_cudagraph._trust.recording import CapturePlan, WarmupRecorder
+from lightning_cudagraph._trust.shape_cache import ShapeCache
+from lightning_cudagraph._trust.shape_change import ShapeOutcome
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.recording import CapturePlan, WarmupRecorder
 
 
 class GraphSetCapture:

@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph._lightning import step_loss
-from lightning_cudagraph.capture_hints import capture_failure
-from lightning_cudagraph.drivers.evidence import MetricUpdates
-from lightning_cudagraph.drivers.step_pieces import NonFiniteFlags, WholeStep
-from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.snapshot import TrainingState
-from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph._trust.capture_hints import capture_failure
+from lightning_cudagraph._trust.evidence import MetricUpdates
+from lightning_cudagraph._trust.snapshot import TrainingState
+from lightning_cudagraph._trust.stages import StageMachine
 
 
 class StepCapture:

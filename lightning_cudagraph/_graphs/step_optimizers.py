@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from lightning_cudagraph.graphs.backend import CaptureBackend, PreparedOptimizer
-from lightning_cudagraph.graphs.optimizers import OptimizerSettings, describe_step_hooks, step_hooks
+from lightning_cudagraph._backend.backend import CaptureBackend, PreparedOptimizer
+from lightning_cudagraph._backend.optimizers import OptimizerSettings, describe_step_hooks, step_hooks
 
 
 class StepOptimizers:

@@ -1,7 +1,7 @@
 """The pieces of a whole step: the plan of the next step, a captured step (static batch, output, logs), its flags.
 
-:meth:`~lightning_cudagraph.drivers.whole_step.WholeStepDriver.plan` makes a :data:`StepPlan` before each
-training step; :meth:`~lightning_cudagraph.drivers.whole_step.WholeStepDriver.run` carries it out.
+:meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.plan` makes a :data:`StepPlan` before each
+training step; :meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.run` carries it out.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from lightning_cudagraph._backend.backend import StepGraph
+from lightning_cudagraph._graphs.accumulation import Place, Position
 from lightning_cudagraph._lightning import StepLogs
-from lightning_cudagraph.batches import copy_into
-from lightning_cudagraph.drivers.accumulation import Place, Position
-from lightning_cudagraph.graphs.backend import StepGraph
+from lightning_cudagraph._options.batches import copy_into
 
 
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """Replays of a captured whole step, and the checks of them: shadow steps against eager, the non-finite counter.
 
 A replay refreshes the optimizers' learning rates, runs the graph, and hands Lightning a copy of the step's output
-with the captured ``self.log`` calls re-issued. A shadow step (:mod:`lightning_cudagraph.drivers.shadow`) runs on
+with the captured ``self.log`` calls re-issued. A shadow step (:mod:`lightning_cudagraph._trust.shadow`) runs on
 every capture and every ``audit_every_n_steps`` replayed steps. The graph counts non-finite losses on the device;
 :meth:`StepReplays.check_finite` reads the count once per log interval.
 """
@@ -15,14 +15,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_cudagraph._graphs.accumulation import Place
+from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
+from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph._lightning import set_closure_result, step_loss
-from lightning_cudagraph.cadence import AuditCadence
-from lightning_cudagraph.drivers.accumulation import Place
-from lightning_cudagraph.drivers.shadow import compare
-from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
-from lightning_cudagraph.drivers.step_pieces import NonFiniteFlags, WholeStep
-from lightning_cudagraph.snapshot import TrainingState
-from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph._trust.cadence import AuditCadence
+from lightning_cudagraph._trust.shadow import compare
+from lightning_cudagraph._trust.snapshot import TrainingState
+from lightning_cudagraph._trust.stages import StageMachine
 
 
 class StepReplays:
@@ -33,7 +33,7 @@ class StepReplays:
         optimizers: Refreshed before each replay.
         flags: The captured step's non-finite flags (the step number is written before each replay).
         audit_every: ``audit_every_n_steps`` (``None`` or 0: no audit after confirmation); audits start dense
-            (:class:`~lightning_cudagraph.cadence.AuditCadence`).
+            (:class:`~lightning_cudagraph._trust.cadence.AuditCadence`).
 
     Example:
         >>> replays = StepReplays(machine, optimizers, flags, audit_every=None)  # doctest: +SKIP

@@ -8,8 +8,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_cudagraph.drivers.routing import GraphSet, StepRoute
-from lightning_cudagraph.drivers.scoped import ScopedDriver
+from lightning_cudagraph._graphs.routing import GraphSet, StepRoute
+from lightning_cudagraph._graphs.scoped import ScopedDriver
 
 #: Default relative parity tolerance under FP8 (E4M3 keeps 3 mantissa bits).
 FP8_PARITY_TOL = 0.125
@@ -20,16 +20,16 @@ class TEScopedDriver(ScopedDriver):
 
     With FP8 and gradient accumulation (automatic optimization), weights are quantized once per optimizer step:
     the graphs are captured with ``cache_quantized_params`` and an
-    :class:`~lightning_cudagraph.graphs.te.FP8WeightCache` tells each micro-batch whether it starts the window.
+    :class:`~lightning_cudagraph._backend.te.FP8WeightCache` tells each micro-batch whether it starts the window.
 
     Args:
         trainer: Gives the precision plugin (the FP8 recipe) and the accumulation setting.
-        *args: See :class:`~lightning_cudagraph.drivers.scoped.ScopedDriver`.
+        *args: See :class:`~lightning_cudagraph._graphs.scoped.ScopedDriver`.
     """
 
     def __init__(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from lightning_cudagraph.graphs.te import FP8WeightCache, capture_te_regions, fp8_recipe_of
+        from lightning_cudagraph._backend.te import FP8WeightCache, capture_te_regions, fp8_recipe_of
 
         recipe = fp8_recipe_of(trainer.precision_plugin)
         self.fp8 = recipe is not None

@@ -1,7 +1,7 @@
 """The whole-step driver: ``training_step``, backward, clipping and the optimizer step as one graph.
 
 The strategy hands it the batch (``batch_to_device``: :meth:`WholeStepDriver.plan` makes a
-:data:`~lightning_cudagraph.drivers.step_pieces.StepPlan`), the output of ``training_step`` (captured output and
+:data:`~lightning_cudagraph._graphs.step_pieces.StepPlan`), the output of ``training_step`` (captured output and
 in-graph non-finite check), and the step itself (``optimizer_step``: :meth:`WholeStepDriver.run` carries the plan
 out). A replayed step rebuilds Lightning's closure result and re-issues the captured ``self.log`` calls, so the loop,
 loggers, checkpointing and early stopping behave as in eager training.
@@ -18,19 +18,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import Metric
 
-from lightning_cudagraph._lightning import accumulating, step_loss
-from lightning_cudagraph.batches import batch_key, describe_batch_key, opaque_reason, own_copy
-from lightning_cudagraph.compiling import CompiledModules, called_modules
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.accumulation import GradientBinding, Position
-from lightning_cudagraph.drivers.base import Driver, LevelSettings
-from lightning_cudagraph.drivers.evidence import StateWatch
-from lightning_cudagraph.drivers.shadow import precision_state
-from lightning_cudagraph.drivers.shape_cache import ShapeCache
-from lightning_cudagraph.drivers.shape_change import ShapeAction, ShapeDecision
-from lightning_cudagraph.drivers.step_capture import StepCapture, metric_in_graph
-from lightning_cudagraph.drivers.step_optimizers import StepOptimizers
-from lightning_cudagraph.drivers.step_pieces import (
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._backend.compiling import CompiledModules, called_modules
+from lightning_cudagraph._graphs.accumulation import GradientBinding, Position
+from lightning_cudagraph._graphs.base import Driver, LevelSettings
+from lightning_cudagraph._graphs.step_capture import StepCapture, metric_in_graph
+from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
+from lightning_cudagraph._graphs.step_pieces import (
     CaptureStep,
     EagerStep,
     NonFiniteFlags,
@@ -39,23 +33,29 @@ from lightning_cudagraph.drivers.step_pieces import (
     StepWindow,
     WholeStep,
 )
-from lightning_cudagraph.drivers.step_replay import StepReplays, run_eagerly
-from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph._graphs.step_replay import StepReplays, run_eagerly
+from lightning_cudagraph._lightning import accumulating, step_loss
+from lightning_cudagraph._options.batches import batch_key, describe_batch_key, opaque_reason, own_copy
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._trust.evidence import StateWatch
+from lightning_cudagraph._trust.observation import SKIP_FIX
+from lightning_cudagraph._trust.shadow import precision_state
+from lightning_cudagraph._trust.shape_cache import ShapeCache
+from lightning_cudagraph._trust.shape_change import ShapeAction, ShapeDecision
+from lightning_cudagraph._trust.snapshot import TrainingState
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.observation import SKIP_FIX
-from lightning_cudagraph.snapshot import TrainingState
-from lightning_cudagraph.stages import StageMachine
 
 
 class WholeStepDriver(Driver):
     """Captures and replays whole training steps, one per batch signature and place in the accumulation window.
 
-    With gradient accumulation, each place of a micro-batch in its window (:mod:`~lightning_cudagraph.drivers.
+    With gradient accumulation, each place of a micro-batch in its window (:mod:`~lightning_cudagraph._graphs.
     accumulation`) is a graph of its own: the first zeroes the gradients, the last steps the optimizer. A window's
     later places are captured once its first is, and add into the gradients the first one's graph writes.
 
     Args:
-        config, component, backend, machine, settings: See :class:`~lightning_cudagraph.drivers.base.Driver`.
+        config, component, backend, machine, settings: See :class:`~lightning_cudagraph._graphs.base.Driver`.
         compiled: ``compile=``: the step's modules to compile in place at :meth:`start`, on during training steps.
     """
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from lightning_cudagraph.config import config_error
-from lightning_cudagraph.scopes import Target
+from lightning_cudagraph._options.config import config_error
+from lightning_cudagraph._options.scopes import Target
 
 __all__ = ["check_targets", "forward_calls_checkpoint"]
 

@@ -1,8 +1,8 @@
 """The options once normalized and validated: :class:`CUDAGraphConfig`, and what follows from them.
 
-The options are declared once, in :mod:`lightning_cudagraph.options`. :meth:`CUDAGraphConfig.from_options` turns
-them into a config: :mod:`lightning_cudagraph.normalization` gives each its stored form, and
-:mod:`lightning_cudagraph.validation` checks the rules between them before any GPU work.
+The options are declared once, in :mod:`lightning_cudagraph._options.options`. :meth:`CUDAGraphConfig.from_options`
+turns them into a config: :mod:`lightning_cudagraph._options.normalization` gives each its stored form, and
+:mod:`lightning_cudagraph._options.validation` checks the rules between them before any GPU work.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from lightning_cudagraph.compile_options import CompileOptions
-from lightning_cudagraph.errors import Verbatim, config_error
-from lightning_cudagraph.normalization import compile_options, normalize_modules, normalize_scope
-from lightning_cudagraph.options import AUTO, DEFAULT_MAX_GRAPHS, FULL_ITERATION, OPTIONS, SCOPES, Selector
-from lightning_cudagraph.validation import validate
+from lightning_cudagraph._options.compile_options import CompileOptions
+from lightning_cudagraph._options.errors import Verbatim, config_error
+from lightning_cudagraph._options.normalization import compile_options, normalize_modules, normalize_scope
+from lightning_cudagraph._options.options import AUTO, DEFAULT_MAX_GRAPHS, FULL_ITERATION, OPTIONS, SCOPES, Selector
+from lightning_cudagraph._options.validation import validate
 
 # FULL_ITERATION, SCOPES, Selector, Verbatim and config_error are read from here by the rooms below the callback.
 __all__ = ["FULL_ITERATION", "SCOPES", "CUDAGraphConfig", "Selector", "Verbatim", "config_error"]
@@ -25,7 +25,7 @@ __all__ = ["FULL_ITERATION", "SCOPES", "CUDAGraphConfig", "Selector", "Verbatim"
 class CUDAGraphConfig:
     """The options of :class:`~lightning_cudagraph.CUDAGraphCallback` and the strategies, validated.
 
-    The fields are the options of :data:`~lightning_cudagraph.options.OPTIONS`, in their stored forms. Build it
+    The fields are the options of :data:`~lightning_cudagraph._options.options.OPTIONS`, in their stored forms. Build it
     with :meth:`from_options`, which normalizes (``scope`` to a tuple, ``modules`` to tuples of selectors) and
     validates.
 

@@ -1,7 +1,7 @@
 """The process environment graphs need: the allocator and NCCL settings that must agree before NCCL starts.
 
-Validation (:mod:`lightning_cudagraph.config`) never writes the environment; the callback and the strategies apply
-this rule when they are built, which is before Lightning starts a process group.
+Validation (:mod:`lightning_cudagraph._options.config`) never writes the environment; the callback and the strategies
+apply this rule when they are built, which is before Lightning starts a process group.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_cudagraph.config import config_error
+from lightning_cudagraph._options.config import config_error
 
 
 def ensure_graph_safe_allocator(component: str) -> None:

@@ -1,9 +1,10 @@
 """The keyword boundary of the callback and both strategies: unknown keywords refused, errors shown first.
 
 Their ``__init__`` lists every option as an explicit keyword parameter (written from
-:data:`~lightning_cudagraph.options.OPTIONS`), so type checkers, IDEs and LightningCLI see them. :func:`checks_keywords`
-keeps what a plain signature cannot give: an unknown keyword is refused in the package's error format with the
-closest option named, and a configuration error under LightningCLI ends the program with the package's message.
+:data:`~lightning_cudagraph._options.options.OPTIONS`), so type checkers, IDEs and LightningCLI see them.
+:func:`checks_keywords` keeps what a plain signature cannot give: an unknown keyword is refused in the package's error
+format with the closest option named, and a configuration error under LightningCLI ends the program with the package's
+message.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.errors import config_error, did_you_mean
-from lightning_cudagraph.options import OPTIONS
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.errors import config_error, did_you_mean
+from lightning_cudagraph._options.options import OPTIONS
 
 __all__ = ["checks_keywords", "config_from"]
 

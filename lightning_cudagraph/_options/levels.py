@@ -8,7 +8,7 @@ when the Trainer's strategy is one of the package's: only a strategy owns the st
 that reads the host (``loss.item()``) or holds an uncapturable loss gets the most of its work on graphs, and the
 widest level the callback can reach. Custom scopes of ``modules=`` join every scoped level; overrides of
 built-in scopes apply to the levels that use them. A level that finds no modules, or the same modules as the level
-before, is skipped. How the levels are walked is :mod:`lightning_cudagraph.ladder`'s.
+before, is skipped. How the levels are walked is :mod:`lightning_cudagraph._rollout.ladder`'s.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from lightning_cudagraph.config import FULL_ITERATION, SCOPES, Selector
-from lightning_cudagraph.scopes import Target, resolve_present
+from lightning_cudagraph._options.config import FULL_ITERATION, SCOPES, Selector
+from lightning_cudagraph._options.scopes import Target, resolve_present
 
 __all__ = [
     "LEVEL_SCOPES",

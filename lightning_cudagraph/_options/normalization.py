@@ -1,8 +1,9 @@
 """The options in the forms a user passes them, normalized into the forms the config stores.
 
 ``scope`` becomes a tuple of names, ``modules`` a dict of selector tuples, and ``compile`` a
-:class:`~lightning_cudagraph.compile_options.CompileOptions` (or ``None``). A value of the wrong kind is refused
-here, in the package's error format; the rules between options live in :mod:`lightning_cudagraph.validation`.
+:class:`~lightning_cudagraph._options.compile_options.CompileOptions` (or ``None``). A value of the wrong kind is
+refused here, in the package's error format; the rules between options live in
+:mod:`lightning_cudagraph._options.validation`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from lightning_cudagraph.compile_options import CompileOptions
-from lightning_cudagraph.errors import config_error
-from lightning_cudagraph.options import AUTO, FULL_ITERATION, Selector
+from lightning_cudagraph._options.compile_options import CompileOptions
+from lightning_cudagraph._options.errors import config_error
+from lightning_cudagraph._options.options import AUTO, FULL_ITERATION, Selector
 
 __all__ = ["compile_options", "normalize_modules", "normalize_scope"]
 

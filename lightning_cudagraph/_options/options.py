@@ -3,7 +3,7 @@
 :data:`OPTIONS` is the one declaration, in the form a user passes each option. The keyword parameters and the
 ``Args:`` of :class:`~lightning_cudagraph.CUDAGraphCallback`, :class:`~lightning_cudagraph.CUDAGraphStrategy` and
 :class:`~lightning_cudagraph.DDPCUDAGraphStrategy` are written from it by ``scripts/option_signatures.py``, and
-``tests/test_option_signatures.py`` fails when they drift. :class:`~lightning_cudagraph.config.CUDAGraphConfig`
+``tests/test_option_signatures.py`` fails when they drift. :class:`~lightning_cudagraph._options.config.CUDAGraphConfig`
 holds the options once they are normalized and validated.
 """
 
@@ -82,7 +82,7 @@ OPTIONS: tuple[Option, ...] = (
         "str | Sequence[str]",
         AUTO,
         '``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package\'s'
-        " strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph.ladder`), or a list from"
+        " strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph._rollout.ladder`), or a list from"
         " ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a"
         " comma-separated"
         ' string works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs'
@@ -169,7 +169,7 @@ OPTIONS: tuple[Option, ...] = (
         "Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole evaluation"
         " step through the package's strategies, the trained level's regions through the callback alone (each"
         " graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:"
-        " evaluation always runs eagerly. See :mod:`lightning_cudagraph.evaluation`.",
+        " evaluation always runs eagerly. See :mod:`lightning_cudagraph._rollout.evaluation`.",
     ),
     Option(
         "optimizer_graph",
@@ -178,7 +178,7 @@ OPTIONS: tuple[Option, ...] = (
         "Through the package's strategies, a scoped level replays the optimizer's update (with its learning-rate"
         " tensors) as a graph of its own after the eager backward, checked against the eager update first."
         " ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback"
-        " alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph.drivers.optimizer_graph`.",
+        " alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph._graphs.optimizer_graph`.",
     ),
     Option(
         "compile",
@@ -190,7 +190,7 @@ OPTIONS: tuple[Option, ...] = (
         ' ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed'
         ' ``scope`` (not ``"auto"``), ``impl="local"`` and one device; inductor\'s own CUDA graphs'
         ' (``mode="reduce-overhead"``, ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See'
-        " :mod:`lightning_cudagraph.compiling`.",
+        " :mod:`lightning_cudagraph._backend.compiling`.",
     ),
 )
 

@@ -1,7 +1,7 @@
 """Scope names to the modules they capture: built-in rules per scope, overridable per scope.
 
-The built-in rules live in :mod:`lightning_cudagraph.layouts`. ``modules=`` replaces a scope's rules with selectors
-(globs, classes or predicates) or defines a new scope.
+The built-in rules live in :mod:`lightning_cudagraph._options.layouts`. ``modules=`` replaces a scope's rules with
+selectors (globs, classes or predicates) or defines a new scope.
 
 A match nested inside another match (``blocks.0.attn`` inside ``blocks.0`` when both ``attn`` and ``layer`` are
 asked for) resolves to the outer one, so every region of the model is captured by one graph.
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from lightning_cudagraph.config import FULL_ITERATION, Selector, config_error
-from lightning_cudagraph.layouts import BUILTIN_RULES, Site, sites_of
+from lightning_cudagraph._options.config import FULL_ITERATION, Selector, config_error
+from lightning_cudagraph._options.layouts import BUILTIN_RULES, Site, sites_of
 
 __all__ = ["ScopeResolution", "Target", "candidate_names", "resolve_present", "resolve_scopes"]
 
@@ -59,7 +59,7 @@ def resolve_scopes(
 
     Args:
         model: The LightningModule (never captured itself).
-        scope: Scope names (``scope="auto"`` is resolved level by level: :mod:`lightning_cudagraph.ladder`).
+        scope: Scope names (``scope="auto"`` is resolved level by level: :mod:`lightning_cudagraph._rollout.ladder`).
         overrides: Per-scope selectors that replace the built-in patterns (or define new scopes).
         component: Named in error messages.
 

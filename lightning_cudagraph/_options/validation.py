@@ -1,8 +1,8 @@
 """The rules the options must meet together, checked once they are normalized and before any GPU work.
 
 Every rule raises ``ValueError`` with four parts: the component, the offending value, the allowed values, and the
-fix (:func:`~lightning_cudagraph.errors.config_error`). Rules that need the Trainer live in
-:mod:`lightning_cudagraph.preflight`.
+fix (:func:`~lightning_cudagraph._options.errors.config_error`). Rules that need the Trainer live in
+:mod:`lightning_cudagraph._rollout.preflight`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_cudagraph.errors import Verbatim, config_error, did_you_mean
-from lightning_cudagraph.options import (
+from lightning_cudagraph._options.errors import Verbatim, config_error, did_you_mean
+from lightning_cudagraph._options.options import (
     AUTO,
     FAILURE_POLICIES,
     FULL_ITERATION,
@@ -26,8 +26,8 @@ from lightning_cudagraph.options import (
     Selector,
 )
 
-#: A :class:`~lightning_cudagraph.config.CUDAGraphConfig`, which calls these rules: typed loosely here, so that the
-#: rules sit below the config they check instead of importing it back.
+#: A :class:`~lightning_cudagraph._options.config.CUDAGraphConfig`, which calls these rules: typed loosely here, so
+#: that the rules sit below the config they check instead of importing it back.
 Config = Any
 
 __all__ = ["validate"]

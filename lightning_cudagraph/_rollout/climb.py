@@ -1,6 +1,6 @@
 """The level runner: one runner drives every fit, a fixed scope's one level and ``scope="auto"`` 's ladder alike.
 
-:class:`~lightning_cudagraph.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
+:class:`~lightning_cudagraph._rollout.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
 steps, through the driver interface only. Step times come from the backend's timer (CUDA events read once per log
 interval or decision, no host sync per step). The warmup steps give the eager baseline; under ``scope="auto"``
 steady eager steps that record nothing give it (right before the first capture), each level is then timed over its
@@ -18,10 +18,11 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_cudagraph.drivers.base import Driver, LevelSettings
-from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.health import CUDAGraphReport, Stage
-from lightning_cudagraph.ladder import (
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._backend.timing import StepTimer, median
+from lightning_cudagraph._graphs.base import Driver, LevelSettings
+from lightning_cudagraph._options.levels import Level, Plan
+from lightning_cudagraph._rollout.ladder import (
     CHECK_EAGER_EVERY,
     CHECK_STEPS,
     EAGER,
@@ -31,11 +32,10 @@ from lightning_cudagraph.ladder import (
     Ladder,
     reference_steps,
 )
-from lightning_cudagraph.levels import Level, Plan
-from lightning_cudagraph.preflight import eager_steps_before_whole_step
-from lightning_cudagraph.stages import StageMachine
-from lightning_cudagraph.step_times import FitSteps, LevelRun
-from lightning_cudagraph.timing import StepTimer, median
+from lightning_cudagraph._rollout.preflight import eager_steps_before_whole_step
+from lightning_cudagraph._rollout.step_times import FitSteps, LevelRun
+from lightning_cudagraph._trust.stages import StageMachine
+from lightning_cudagraph.health import CUDAGraphReport, Stage
 
 __all__ = ["PYTHON_REASONS", "Climb", "MakeDriver", "RunningFit"]
 
@@ -54,7 +54,7 @@ class RunningFit:
         trainer: The Trainer of the fit.
         backend: Gives the timers and a new pool for each level.
         machine: The stage machine; a level's failure is offered to the runner before it becomes a rollback.
-        make_driver: Builds the driver of a level (:class:`~lightning_cudagraph.factory.DriverFactory`).
+        make_driver: Builds the driver of a level (:class:`~lightning_cudagraph._rollout.factory.DriverFactory`).
         driver: The driver of the level training is on.
         steps: Every training step's time.
         level: The level's steps on graphs.
@@ -73,7 +73,7 @@ class Climb:
     """Runs the ladder of one fit: its drivers, its step times, and the moves between levels.
 
     Args:
-        plan: From :func:`~lightning_cudagraph.planning.plan`.
+        plan: From :func:`~lightning_cudagraph._rollout.planning.plan`.
         report: The ladder's rows, the level and the timings are mirrored here.
         component: Named in messages.
         settings: A fixed scope's driver settings (:meth:`LevelSettings.of`); a walked ladder derives its own.

@@ -5,9 +5,9 @@ Whenever graphs are on (``impl="local"``, a CUDA device, ``eval_graphs=True``), 
 - **The whole evaluation step** (through :class:`~lightning_cudagraph.CUDAGraphStrategy`, at the whole-step level:
   ``"cudagraph_full"``, or ``"cudagraph"`` once ``scope="auto"`` settled there; and in ``trainer.validate()``,
   ``test()`` and ``predict()`` outside a fit): ``validation_step``, ``test_step`` or ``predict_step`` as one
-  forward-only graph per batch shape (:mod:`lightning_cudagraph.drivers.eval_step`).
+  forward-only graph per batch shape (:mod:`lightning_cudagraph._graphs.eval_step`).
 - **The trained level's regions** (through the callback alone, once the fit captured a scoped level): each region's
-  forward gets a graph of its own under the loop's grad mode (:mod:`lightning_cudagraph.drivers.eval_regions`).
+  forward gets a graph of its own under the loop's grad mode (:mod:`lightning_cudagraph._graphs.eval_regions`).
 - **Eager**, with the reason logged: the sanity check (the natural warmup, never logged), graphs off or rolled back,
   ``scope="auto"`` still climbing, Transformer Engine, a torchmetrics metric updated inside the step, or an
   evaluation loop outside a fit through the callback alone (there is no trained level to graph).
@@ -38,13 +38,13 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
-from lightning_cudagraph.drivers.eval_capture import FailurePolicy
-from lightning_cudagraph.drivers.eval_regions import EvalRegionGraphs
-from lightning_cudagraph.drivers.eval_step import EvalStepGraphs
-from lightning_cudagraph.graphs.backend import CaptureBackend
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._graphs.eval_capture import FailurePolicy
+from lightning_cudagraph._graphs.eval_regions import EvalRegionGraphs
+from lightning_cudagraph._graphs.eval_step import EvalStepGraphs
+from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph._options.options import DEFAULT_MAX_GRAPHS
 from lightning_cudagraph.health import EvaluationRecord
-from lightning_cudagraph.options import DEFAULT_MAX_GRAPHS
 
 __all__ = ["EVAL_HOOKS", "EvaluationGraphs", "TrainedLevel"]
 
@@ -92,7 +92,7 @@ class EvaluationGraphs:
         record: Where the figures go (``report.evaluation``).
 
     Example:
-        >>> from lightning_cudagraph.config import CUDAGraphConfig
+        >>> from lightning_cudagraph._options.config import CUDAGraphConfig
         >>> graphs = EvaluationGraphs(CUDAGraphConfig(), "CUDAGraphStrategy", EvaluationRecord())
         >>> graphs.mode, graphs.graphs  # a loop's start picks the mode (Rollout.evaluation_start)
         ('eager', 0)

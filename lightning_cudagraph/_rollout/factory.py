@@ -2,9 +2,9 @@
 
 The level runner gets the factory when it is built and never asks which driver it holds. The factory also owns
 ``compile=`` for the fit: the watch on dynamo's compilations, and the compiled stand-ins it hands each driver
-(:class:`~lightning_cudagraph.compiling.CompiledForwards` to a scoped driver, shared by every scoped level;
-:class:`~lightning_cudagraph.compiling.CompiledModules` to the whole-step driver, which gives its modules back when
-it is released). Drivers never import this module.
+(:class:`~lightning_cudagraph._backend.compiling.CompiledForwards` to a scoped driver, shared by every scoped level;
+:class:`~lightning_cudagraph._backend.compiling.CompiledModules` to the whole-step driver, which gives its modules
+back when it is released). Drivers never import this module.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from collections.abc import Callable
 
 import lightning.pytorch as pl
 
-from lightning_cudagraph.compiling import CompiledForwards, CompiledModules, CompileWatch
-from lightning_cudagraph.config import CUDAGraphConfig
-from lightning_cudagraph.drivers.base import Driver, LevelSettings
-from lightning_cudagraph.drivers.regions import RegionSet
-from lightning_cudagraph.drivers.scoped import ScopedDriver
-from lightning_cudagraph.drivers.whole_step import WholeStepDriver
-from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.levels import Level, Plan
-from lightning_cudagraph.observation import Observer
-from lightning_cudagraph.stages import StageMachine
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._backend.compiling import CompiledForwards, CompiledModules, CompileWatch
+from lightning_cudagraph._graphs.base import Driver, LevelSettings
+from lightning_cudagraph._graphs.regions import RegionSet
+from lightning_cudagraph._graphs.scoped import ScopedDriver
+from lightning_cudagraph._graphs.whole_step import WholeStepDriver
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.levels import Level, Plan
+from lightning_cudagraph._trust.observation import Observer
+from lightning_cudagraph._trust.stages import StageMachine
 
 __all__ = ["DriverFactory"]
 
@@ -77,7 +77,7 @@ class DriverFactory:
             report = self.machine.report
             regions = RegionSet(self._plan.patched, level.target_names, self._plan.parts, report, self.component)
             if self.config.impl == "transformer_engine":
-                from lightning_cudagraph.drivers.te_scoped import TEScopedDriver
+                from lightning_cudagraph._graphs.te_scoped import TEScopedDriver
 
                 driver = TEScopedDriver(self._trainer, regions, *collaborators, observer=self._observer)
             else:

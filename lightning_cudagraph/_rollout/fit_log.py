@@ -11,9 +11,9 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 
-from lightning_cudagraph.climb import Climb
+from lightning_cudagraph._rollout.climb import Climb
+from lightning_cudagraph._rollout.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
 
 
 class FitLog:

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lightning_cudagraph._options.levels import Level, walk_order
 from lightning_cudagraph.health import CUDAGraphReport, LevelRecord
-from lightning_cudagraph.levels import Level, walk_order
 
 __all__ = [
     "CHECK_EAGER_EVERY",
@@ -88,7 +88,7 @@ class Ladder:
     """The levels of one fit and the decisions of their walk.
 
     Args:
-        levels: From :func:`~lightning_cudagraph.preflight.plan`, skipped ones included.
+        levels: From :func:`~lightning_cudagraph._rollout.preflight.plan`, skipped ones included.
         report: Its ``ladder`` rows, ``level`` and ``eager_step_ms`` mirror this ladder (written, never read).
         climbs: Whether the levels are walked and timed (``scope="auto"``); ``False``: a fixed scope's one level.
         margin: See :data:`MARGIN`.

@@ -11,11 +11,11 @@ import dataclasses
 
 import lightning.pytorch as pl
 
-from lightning_cudagraph.activation_checkpoints import check_targets
-from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
-from lightning_cudagraph.levels import Level, Plan, build_levels, replacement_parts, scoped_targets, walk_order
-from lightning_cudagraph.preflight import DDP_WHOLE_STEP_WARMUP_STEPS, check_trainer, check_whole_step_hooks
-from lightning_cudagraph.scopes import Target, candidate_names, resolve_scopes
+from lightning_cudagraph._options.activation_checkpoints import check_targets
+from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph._options.levels import Level, Plan, build_levels, replacement_parts, scoped_targets, walk_order
+from lightning_cudagraph._options.scopes import Target, candidate_names, resolve_scopes
+from lightning_cudagraph._rollout.preflight import DDP_WHOLE_STEP_WARMUP_STEPS, check_trainer, check_whole_step_hooks
 
 __all__ = ["plan"]
 

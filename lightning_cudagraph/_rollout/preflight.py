@@ -1,7 +1,7 @@
 """Preflight: the configuration checked against the Trainer, the model and the optimizers, before any capture.
 
 Each rule raises ``ValueError`` (component, value, allowed values, fix). The Trainer and model rules run in
-``setup``, beside :func:`lightning_cudagraph.planning.plan`, which plans every level of the fit. The optimizer
+``setup``, beside :func:`lightning_cudagraph._rollout.planning.plan`, which plans every level of the fit. The optimizer
 rules need the optimizers, which Lightning builds in ``strategy.setup``, so they run in ``on_fit_start``. Both
 come before the first training step. The NCCL rule of the whole step under DDP
 (:data:`DDP_WHOLE_STEP_WARMUP_STEPS`) lives here alone.
@@ -23,11 +23,11 @@ from lightning.pytorch.plugins.precision import (
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_cudagraph._backend.optimizers import CAPTURABLE_OPTIMIZERS
 from lightning_cudagraph._lightning import anomaly_detection_on
-from lightning_cudagraph.compile_options import inductor_graphs_in
-from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig, Verbatim, config_error
-from lightning_cudagraph.graphs.optimizers import CAPTURABLE_OPTIMIZERS
-from lightning_cudagraph.hooks import hooked_modules
+from lightning_cudagraph._options.compile_options import inductor_graphs_in
+from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig, Verbatim, config_error
+from lightning_cudagraph._options.hooks import hooked_modules
 
 __all__ = [
     "DDP_WHOLE_STEP_WARMUP_STEPS",

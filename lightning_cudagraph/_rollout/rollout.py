@@ -1,10 +1,10 @@
 """The staged rollout of one fit: preflight and the plan of its levels, then the level runner, timing and logging.
 
 The callback and the strategy report Lightning events here; where the fit is lives in the stage machine
-(:mod:`lightning_cudagraph.stages`); which level runs, and its driver, in the level runner
-(:mod:`lightning_cudagraph.climb`, with the drivers built by :mod:`lightning_cudagraph.factory`); capture
-mechanics in a driver (:mod:`lightning_cudagraph.drivers`) that uses a capture backend
-(:mod:`lightning_cudagraph.graphs.backend`); the report in :mod:`lightning_cudagraph.health`. The README's seven
+(:mod:`lightning_cudagraph._trust.stages`); which level runs, and its driver, in the level runner
+(:mod:`lightning_cudagraph._rollout.climb`, with the drivers built by :mod:`lightning_cudagraph._rollout.factory`);
+capture mechanics in a driver (:mod:`lightning_cudagraph._graphs`) that uses a capture backend
+(:mod:`lightning_cudagraph._backend.backend`); the report in :mod:`lightning_cudagraph.health`. The README's seven
 stages map onto the code as follows: 1 preflight (:meth:`Rollout.setup`, :meth:`Rollout.fit_start`), 2 eager
 stabilization, 3 fixed shapes, 4 capture, 5 replay confirmation and 6 replay (the drivers), 7 release
 (:meth:`Rollout.release`). A fixed scope is a one-level ladder: every fit runs through the same runner.
@@ -21,24 +21,24 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_cudagraph import planning, preflight
-from lightning_cudagraph.agreement import RankAgreement
-from lightning_cudagraph.climb import Climb
-from lightning_cudagraph.config import FULL_ITERATION, CUDAGraphConfig
-from lightning_cudagraph.drivers.base import Driver, LevelSettings
-from lightning_cudagraph.evaluation import EvaluationGraphs, TrainedLevel
-from lightning_cudagraph.factory import DriverFactory
-from lightning_cudagraph.fit_log import FitLog
-from lightning_cudagraph.graphs.backend import CaptureBackend
-from lightning_cudagraph.graphs.cuda import default_backend
+from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._backend.cuda import default_backend
+from lightning_cudagraph._graphs.base import Driver, LevelSettings
+from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph._rollout import planning, preflight
+from lightning_cudagraph._rollout.climb import Climb
+from lightning_cudagraph._rollout.evaluation import EvaluationGraphs, TrainedLevel
+from lightning_cudagraph._rollout.factory import DriverFactory
+from lightning_cudagraph._rollout.fit_log import FitLog
+from lightning_cudagraph._rollout.step_python import StepPython
+from lightning_cudagraph._trust.agreement import RankAgreement
+from lightning_cudagraph._trust.observation import Observer
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import CUDAGraphReport, Stage
-from lightning_cudagraph.observation import Observer
-from lightning_cudagraph.stages import StageMachine
-from lightning_cudagraph.step_python import StepPython
 
 
 class Rollout:
-    """Drives one fit through the stages, for a :class:`~lightning_cudagraph.config.CUDAGraphConfig`.
+    """Drives one fit through the stages, for a :class:`~lightning_cudagraph._options.config.CUDAGraphConfig`.
 
     Args:
         config: The validated options.
@@ -57,7 +57,7 @@ class Rollout:
         self._factory: DriverFactory | None = None
         #: The package's metrics of the fit, once per log interval.
         self.log = FitLog(self.report)
-        #: Validation, test and predict on forward-only graphs (:mod:`lightning_cudagraph.evaluation`).
+        #: Validation, test and predict on forward-only graphs (:mod:`lightning_cudagraph._rollout.evaluation`).
         self.evaluation = EvaluationGraphs(config, component, self.report.evaluation)
         self._sealed = False
         #: Whether the strategy hands every micro-batch of an accumulation window to the whole step: a whole-step
@@ -170,7 +170,7 @@ class Rollout:
     def plan_whole_step(self, trainer: pl.Trainer, batch: Any) -> Any:
         """Before a training step: the driver plans it (eager, capture or replay) and returns the batch to use.
 
-        The step's Python is watched around it (:mod:`lightning_cudagraph.step_python`).
+        The step's Python is watched around it (:mod:`lightning_cudagraph._rollout.step_python`).
         """
         driver = self.driver
         if driver is None or self.climb is None:

@@ -1,7 +1,7 @@
 """The step's Python, judged: may one graph hold the whole training step?
 
 A whole-step replay runs no Python at all, so the step's Python must do the same thing on every step. The eager
-steps before the first capture are observed (:mod:`lightning_cudagraph.observation`), and so is one eager step at
+steps before the first capture are observed (:mod:`lightning_cudagraph._trust.observation`), and so is one eager step at
 every epoch boundary once the whole step replays (an epoch, a scheduler's epoch step or a callback's epoch hook can
 change what the step does). A step that reads a per-step value, draws from Python's ``random``, skips its batch,
 changes its module's attributes from one step to the next, launches other operations or other Python numbers than
@@ -18,19 +18,19 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_cudagraph._backend.optimizers import describe_step_hooks
+from lightning_cudagraph._graphs.accumulation import Position
 from lightning_cudagraph._lightning import step_loss
-from lightning_cudagraph.batches import batch_key
-from lightning_cudagraph.capture_hints import known_cause
-from lightning_cudagraph.config import FULL_ITERATION
-from lightning_cudagraph.drivers.accumulation import Position
-from lightning_cudagraph.graphs.optimizers import describe_step_hooks
+from lightning_cudagraph._options.batches import batch_key
+from lightning_cudagraph._options.config import FULL_ITERATION
+from lightning_cudagraph._trust.capture_hints import known_cause
+from lightning_cudagraph._trust.observation import SKIP_FIX, Behaviour, Observer, frozen_by_a_graph, watched_index
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.observation import SKIP_FIX, Behaviour, Observer, frozen_by_a_graph, watched_index
-from lightning_cudagraph.stages import StageMachine
 
 if TYPE_CHECKING:
-    from lightning_cudagraph.drivers.base import Driver
-    from lightning_cudagraph.ladder import Ladder
+    from lightning_cudagraph._graphs.base import Driver
+    from lightning_cudagraph._rollout.ladder import Ladder
 
 __all__ = ["StepPython", "step_python_reason"]
 

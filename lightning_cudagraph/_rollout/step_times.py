@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_cudagraph._backend.timing import StepTimer, median
+from lightning_cudagraph._rollout.ladder import MEASURE_STEPS
 from lightning_cudagraph.health import CUDAGraphReport
-from lightning_cudagraph.ladder import MEASURE_STEPS
-from lightning_cudagraph.timing import StepTimer, median
 
 __all__ = ["FitSteps", "LevelRun"]
 

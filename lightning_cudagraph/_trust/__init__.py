@@ -1,1 +1,1 @@
-"""The trust machinery: stages and rank agreement, evidence against eager, observed steps, the audit cadence, the shape cache."""
+"""The trust machinery: stages and rank agreement, evidence against eager, observed steps, audits, the shape cache."""

@@ -1,9 +1,9 @@
 """Eager stabilization: what each target was called with during eager steps, per batch shape, and whether it is stable.
 
-During eager steps every call of a target is recorded (its :class:`~lightning_cudagraph.signature.CallSignature`
-and its position in the step), separately for each batch shape: every shape gets its own stabilization. The inputs
-of a shape's latest step are kept, as detached copies, to serve as its capture's sample inputs: real data, so a
-capture never feeds a module values it would not see.
+During eager steps every call of a target is recorded (its
+:class:`~lightning_cudagraph._backend.signature.CallSignature` and its position in the step), separately for each batch
+shape: every shape gets its own stabilization. The inputs of a shape's latest step are kept, as detached copies, to
+serve as its capture's sample inputs: real data, so a capture never feeds a module values it would not see.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_cudagraph.graphs.backend import RecordedCall
-from lightning_cudagraph.observation import Behaviour, frozen_by_a_graph
-from lightning_cudagraph.scopes import Target
-from lightning_cudagraph.signature import (
+from lightning_cudagraph._backend.backend import RecordedCall
+from lightning_cudagraph._backend.signature import (
     CallSignature,
     call_signature,
     describe_change,
     distinct_tensors,
     signatures_equal,
 )
+from lightning_cudagraph._options.scopes import Target
+from lightning_cudagraph._trust.observation import Behaviour, frozen_by_a_graph
 
 
 @dataclass
@@ -60,7 +60,7 @@ class WarmupRecorder:
 
     Example:
         >>> import torch, torch.nn as nn
-        >>> from lightning_cudagraph.scopes import Target
+        >>> from lightning_cudagraph._options.scopes import Target
         >>> layer = nn.Linear(4, 4)
         >>> recorder = WarmupRecorder([Target("layer", layer, "layer")])
         >>> for rows in (8, 8, 5):

@@ -1,6 +1,6 @@
 """The shadow step: a whole-step graph checked against the eager step from the same state, on the same batch.
 
-The graph replays from a copy of the training state (:class:`~lightning_cudagraph.snapshot.TrainingState`); its
+The graph replays from a copy of the training state (:class:`~lightning_cudagraph._trust.snapshot.TrainingState`); its
 loss and parameters are kept, the copy is put back, and the step runs eagerly, which is the step training keeps.
 :func:`compare` then weighs the two with one host sync. The whole-step driver runs it on every capture step and
 every ``audit_every_n_steps`` replayed steps.
@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_cudagraph.snapshot import TrainingState
+from lightning_cudagraph._trust.snapshot import TrainingState
 
 #: Largest relative difference allowed between the graph's and the eager step's parameter update (and loss), by
 #: whether the step runs under autocast. Run-to-run noise of the same kernels is orders of magnitude below, while a

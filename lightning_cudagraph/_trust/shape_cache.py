@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_cudagraph.batches import describe_batch_key
+from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph.health import CUDAGraphReport
 
 T = TypeVar("T")

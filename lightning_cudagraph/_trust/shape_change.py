@@ -12,10 +12,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_cudagraph.batches import describe_batch_key
-from lightning_cudagraph.drivers.shape_cache import ShapeCache
+from lightning_cudagraph._options.batches import describe_batch_key
+from lightning_cudagraph._trust.shape_cache import ShapeCache
+from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
-from lightning_cudagraph.stages import StageMachine
 
 
 class ShapeChange(enum.Enum):
@@ -82,7 +82,7 @@ class ShapeDecision:
 
     Example:
         >>> import torch
-        >>> from lightning_cudagraph.batches import batch_key
+        >>> from lightning_cudagraph._options.batches import batch_key
         >>> from lightning_cudagraph.health import CUDAGraphReport
         >>> report = CUDAGraphReport()
         >>> machine = StageMachine(report, "CUDAGraphCallback", "warn", release=lambda: None)

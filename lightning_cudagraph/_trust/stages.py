@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph._lightning import step_loss
-from lightning_cudagraph.agreement import RankAgreement
+from lightning_cudagraph._trust.agreement import RankAgreement
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 
 
