@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 from benchmarks.core.figures import finite, max_abs_diff, ratio
 from benchmarks.core.markdown import NA, by_variant, cell, env_line, num, table, times
-from zoo.summary import zoo_section, zoo_summary
+from benchmarks.core.zoo_summary import zoo_section, zoo_summary
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"

@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _load_options() -> ModuleType:
     """``lightning_cudagraph/_options/options.py`` alone: the package's import needs the classes this script writes."""
-    spec = importlib.util.spec_from_file_location("_declared_options", ROOT / "lightning_cudagraph" / "_options" / "options.py")
+    spec = importlib.util.spec_from_file_location(
+        "_declared_options", ROOT / "lightning_cudagraph" / "_options" / "options.py"
+    )
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+from benchmarks.core.zoo_summary import zoo_section, zoo_summary
 from tests.fake_backend import FakeBackend, FakeRegion
 from zoo import run as zoo
 from zoo.models import ENTRIES, batch_tensors, checksum, entries_named
-from zoo.summary import zoo_section, zoo_summary
 
 CPU_FAKE = zoo.Settings(device="cpu", capture_backend="fake", steps=6, timed=4, window=2)
 

@@ -47,9 +47,9 @@ from typing_extensions import override
 from benchmarks import report
 from benchmarks.core.figures import finite
 from benchmarks.core.models import report_figures
+from benchmarks.core.zoo_summary import FAILURES, zoo_section
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from zoo.models import BuildContext, Entry, ZooModule, checksum, entries_named, missing_libraries
-from zoo.summary import FAILURES, zoo_section
 
 SCHEMA_VERSION = 1
 SEED = 1234
