@@ -261,9 +261,9 @@ MUTATIONS: list[Mutation] = [
         S + "test_a_graph_returning_nan_or_slightly_wrong_values_is_left_eager",
     ),
     m(
-        "_graphs/scoped.py",
-        "DEFAULT_PARITY_TOL = 1e-4",
-        "DEFAULT_PARITY_TOL = 1e-2",
+        "_trust/tolerance.py",
+        'FORWARD_TOL = {"full": 1e-4,',
+        'FORWARD_TOL = {"full": 1e-2,',
         "parity tolerance 100x looser: a forward wrong by 0.1% is trusted",
         S + "test_a_graph_returning_nan_or_slightly_wrong_values_is_left_eager",
     ),

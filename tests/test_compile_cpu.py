@@ -27,10 +27,10 @@ from torch._dynamo.callback import callback_handler
 from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
-from lightning_cudagraph._graphs.scoped import COMPILED_PARITY_TOL
 from lightning_cudagraph._options.compile_options import CompileOptions
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._rollout.preflight import _check_compile, check_trainer
+from lightning_cudagraph._trust.tolerance import FORWARD_TOL
 from tests.fake_backend import FakeBackend
 from tests.helpers import (
     OLD_TORCH,
@@ -421,7 +421,7 @@ def test_layers_train_compiled_like_eager_report_compile_time_and_log_it(tmp_pat
     report = callback.report
     assert (report.stage, report.captures, report.rollbacks) == (Stage.REPLAYING, 1, 0), report.reason
     assert report.replays >= (STEPS - WARMUP - 1) * TINY["n_layer"]
-    assert 0 <= report.parity_err <= COMPILED_PARITY_TOL
+    assert 0 <= report.parity_err <= FORWARD_TOL["compiled"]
     assert dynamo.compiles > 0 and report.compile_s > 0 and report.recompiles == 0
     assert_losses_close(eager.losses, run.losses, TOLERANCE)
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0 and not backend.entered

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torchmetrics import MeanMetric
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
-from lightning_cudagraph._graphs.eval_capture import EvalFailure
+from lightning_cudagraph._trust.failure import GraphFailure
 from tests.fake_backend import FakeBackend
 from tests.helpers import RaiseAtStep, graph_callback, patched_forwards, trainer
 from tests.models import TINY, DecoderModule, decoder
@@ -226,7 +226,7 @@ def test_on_failure_raise_raises_on_a_wrong_evaluation_graph_and_releases(tmp_pa
     backend = FakeBackend()
     run = interleaved(tmp_path, "graphed", strategy=whole_step(backend, on_failure="raise"))
     model, data = decoder(TINY, module=PythonStateInStep, **VAL)
-    with pytest.raises(EvalFailure, match="eval_parity"):
+    with pytest.raises(GraphFailure, match="eval_parity"):
         run.fit(model, data)
     assert backend.live_graphs == 0 and not backend.entered
     assert patched_forwards(model) == []

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.callback import callback_handler
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
-from lightning_cudagraph._graphs.scoped import COMPILED_PARITY_TOL
+from lightning_cudagraph._trust.tolerance import FORWARD_TOL
 from tests.helpers import assert_losses_close, fit_cuda, graph_callback, patched_forwards
 from tests.models import SMALL, decoder
 
@@ -93,7 +93,7 @@ def test_layers_capture_their_compiled_forwards_and_pass_parity_against_eager():
     report = callback.report
     assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
     assert report.captures == 1 and report.replays >= (STEPS - WARMUP - 3) * SMALL["n_layer"]
-    assert 0 <= report.parity_err <= COMPILED_PARITY_TOL
+    assert 0 <= report.parity_err <= FORWARD_TOL["compiled"]
     assert report.compile_s > 0 and report.recompiles == 0
     assert_losses_close(eager.losses, run.losses, TOLERANCE)
     assert patched_forwards(run.model) == []

@@ -14,7 +14,7 @@ import pytest
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
 from lightning_cudagraph._backend import te
-from lightning_cudagraph._graphs.te_scoped import FP8_PARITY_TOL
+from lightning_cudagraph._trust.tolerance import FORWARD_TOL
 from tests.fake_backend import FakeBackend
 from tests.helpers import fit
 from tests.models import TINY, decoder
@@ -47,7 +47,7 @@ def test_fp8_weights_are_quantized_on_the_first_micro_batch_of_each_window(te_st
 
 def test_fp8_uses_its_own_parity_tolerance(te_stand_in):
     callback = CUDAGraphCallback(impl="transformer_engine", scope=["layer"], warmup_steps=1)
-    callback.capture_backend = FakeBackend(distort={"model.blocks.0": 1 + FP8_PARITY_TOL / 2})
+    callback.capture_backend = FakeBackend(distort={"model.blocks.0": 1 + FORWARD_TOL["fp8"] / 2})
     fit(*decoder(TINY), 4, [callback], **CPU)
     assert callback.report.stage == Stage.REPLAYING, "an FP8-sized difference passes under FP8"
-    assert callback.report.parity_err == pytest.approx(FP8_PARITY_TOL / 2, rel=1e-3)
+    assert callback.report.parity_err == pytest.approx(FORWARD_TOL["fp8"] / 2, rel=1e-3)

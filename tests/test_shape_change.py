@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from lightning_cudagraph._options.batches import batch_key
+from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.shape_change import ShapeAction, ShapeChange, ShapeDecision
 from lightning_cudagraph._trust.stages import StageMachine
@@ -27,7 +28,7 @@ SHAPE_4, SHAPE_3, SHAPE_2 = (batch_key(torch.zeros(rows, 16, dtype=torch.int64))
 # =================================================================== the decision itself
 def decision(policy: str, limit: int = 1) -> tuple[ShapeDecision, ShapeCache[str], StageMachine]:
     report = CUDAGraphReport()
-    machine = StageMachine(report, "CUDAGraphCallback", "warn", release=lambda: None)
+    machine = StageMachine(report, FailurePolicy("CUDAGraphCallback", "eager"), release=lambda: None)
     cache: ShapeCache[str] = ShapeCache(limit, report, "CUDAGraphCallback", reset=lambda item: None)
     return ShapeDecision(policy, cache, machine, "CUDAGraphCallback"), cache, machine
 

@@ -10,7 +10,6 @@ backward. An audit is the same check of one region again: dense right after capt
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from lightning_cudagraph._graphs.regions import RegionSet
 from lightning_cudagraph._graphs.routing import GraphSet, StepRoute
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._trust.cadence import AuditCadence
+from lightning_cudagraph._trust.evidence import largest_so_far
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
@@ -144,14 +144,13 @@ class RegionConfirmation:
         bad = {index: error for (index, error), failed in zip(errors, agreed, strict=True) if failed}
         kept = [error for index, error in errors if index not in bad]
         if kept:
-            previous = self.report.parity_err
-            self.report.parity_err = max(kept) if math.isnan(previous) else max(previous, *kept)
+            self.report.parity_err = largest_so_far(self.report.parity_err, *kept)
         if not bad:
             return True
         worst = max(bad.values())
         reason = f"parity: graphed forward differs from eager by {worst:.3g} (tolerance {tolerance:g})"
         left = route.graph_set.entries.keys() - bad.keys() if route.graph_set is not None else set()
-        if not left or (self.config.on_failure == "raise" and not self.config.auto_scope):
+        if not left or self.machine.policy.part_failure_stops_graphs:
             self.machine.rollback(reason)
             return False
         for index, error in bad.items():

@@ -8,20 +8,19 @@ the whole loop) runs eagerly with the reason; with ``on_failure="raise"`` the fa
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend
-from lightning_cudagraph._trust.evidence import relative_error
+from lightning_cudagraph._trust.evidence import largest_so_far, relative_error
+from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph.health import EvaluationRecord
 
-__all__ = ["CaptureCost", "EvalFailure", "EvalGraphCache", "EvalGraphs", "FailurePolicy", "parity_of"]
+__all__ = ["CaptureCost", "EvalGraphCache", "EvalGraphs", "parity_of"]
 
 
 class Resettable(Protocol):
@@ -32,39 +31,6 @@ class Resettable(Protocol):
 
 
 G = TypeVar("G", bound=Resettable)
-
-
-class EvalFailure(RuntimeError):
-    """An evaluation graph failed its capture or its parity check, with ``on_failure="raise"``."""
-
-
-class FailurePolicy:
-    """What a failed evaluation graph does: warn and run eagerly (``"eager"``), or raise (``"raise"``).
-
-    Args:
-        component: Named in messages.
-        on_failure: ``"eager"`` or ``"raise"``.
-        record: The failure's reason lands in ``record.reason``.
-
-    Example:
-        >>> import warnings
-        >>> policy = FailurePolicy("CUDAGraphStrategy", "eager", EvaluationRecord())
-        >>> with warnings.catch_warnings(record=True):
-        ...     policy.fail("eval_parity: off by 2x")
-        >>> policy.record.reason
-        'eval_parity: off by 2x'
-    """
-
-    def __init__(self, component: str, on_failure: str, record: EvaluationRecord) -> None:
-        self.component, self.on_failure, self.record = component, on_failure, record
-
-    def fail(self, reason: str, error: BaseException | None = None) -> None:
-        """Say loudly why this graph is not used (or raise)."""
-        self.record.reason = reason
-        message = f"{self.component}: evaluation runs eagerly here: {reason}"
-        if self.on_failure == "raise":
-            raise EvalFailure(message) from error
-        rank_zero_warn(message)
 
 
 class EvalGraphs:
@@ -86,6 +52,15 @@ class EvalGraphs:
     ) -> None:
         self.backend, self.record, self.policy = backend, record, policy
         self.component, self.tolerance = component, tolerance
+
+    def fail(self, reason: str, error: BaseException | None = None) -> None:
+        """Say loudly why this graph is not used, or raise (``on_failure="raise"``); the reason lands in the record."""
+        self.record.reason = reason
+        self.policy.fail(
+            f"evaluation graphs failed: {reason}",
+            error,
+            eager_message=f"{self.component}: evaluation runs eagerly here: {reason}",
+        )
 
 
 def parity_of(reference: Sequence[Tensor], graphed: Sequence[Tensor]) -> float:
@@ -174,4 +149,4 @@ class CaptureCost:
         record.captures += 1
         record.graphs = live()
         record.memory_mib += max(self.backend.pool_mib() - self._pool_mib, 0.0) + self._inputs_mib
-        record.parity_err = error if math.isnan(record.parity_err) else max(record.parity_err, error)
+        record.parity_err = largest_so_far(record.parity_err, error)

@@ -24,7 +24,8 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
 from lightning_cudagraph._backend.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
-from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
+from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, parity_of
+from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["EvalRegionGraphs", "RegionForward"]
@@ -194,7 +195,7 @@ class EvalRegionGraphs(EvalGraphs):
             failure = f"eval_capture_failed: {forward.name}: {type(error).__name__}: {error}"
         entry.reset()
         self.cache.eager[key] = failure
-        self.policy.fail(failure, error)
+        self.fail(failure, error)
         return reference
 
     def _live(self) -> int:

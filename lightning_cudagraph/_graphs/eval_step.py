@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
-from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, FailurePolicy, parity_of
+from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, parity_of
 from lightning_cudagraph._lightning import StepLogs
 from lightning_cudagraph._options.batches import (
     BatchKey,
@@ -34,6 +34,7 @@ from lightning_cudagraph._options.batches import (
     own_copy,
 )
 from lightning_cudagraph._trust.evidence import MetricUpdates
+from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["EvalStep", "EvalStepGraphs", "metric_in_eval_graph"]
@@ -161,7 +162,7 @@ class EvalStepGraphs(EvalGraphs):
         updated = metrics.changed()
         if updated:
             self.off = metric_in_eval_graph(updated, hook)
-            self.policy.fail(self.off)
+            self.fail(self.off)
             eager_logs.reissue(module)
             return reference
         captured = plan.step
@@ -196,7 +197,7 @@ class EvalStepGraphs(EvalGraphs):
         captured.reset()
         self.cache.eager[plan.key] = failure
         eager_logs.reissue(module)  # before a raise: this batch's logs are the eager step's
-        self.policy.fail(failure, error)
+        self.fail(failure, error)
         return reference
 
     def _count_fallback(self, reason: str) -> None:

@@ -19,7 +19,6 @@ callback alone (no package strategy) nothing here runs: the callback cannot own 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,16 +34,17 @@ from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_replay import run_eagerly
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._trust.cadence import AuditCadence
-from lightning_cudagraph._trust.shadow import SHADOW_TOL
+from lightning_cudagraph._trust.evidence import largest_so_far
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
+from lightning_cudagraph._trust.tolerance import STEP_TOL
 
 __all__ = ["OptimizerGraph", "optimizer_step_replaced"]
 
 #: ``report.optimizer_graph`` before the graph is captured, while it is checked, and in steady state.
 WAITING, CONFIRMING, REPLAYING = "waiting", "confirming", "replaying"
 #: The optimizer's update runs in full precision whatever the step's autocast, so the full-precision tolerance holds.
-OPTIMIZER_TOL = SHADOW_TOL[False]
+OPTIMIZER_TOL = STEP_TOL["full"]
 #: ``report.optimizer_graph`` when the user turned it off (``optimizer_graph=False``).
 OPTION_OFF = "optimizer_graph=False"
 
@@ -170,8 +170,9 @@ class OptimizerGraph:
             self._reset_graph()
             error = error or RuntimeError("the capture failed on another rank")
             reason = f"optimizer_not_graphed: its capture failed: {type(error).__name__}: {error}"
-            if self.config.on_failure == "raise":
-                raise RuntimeError(f"{self.component}(on_failure='raise'): {reason}") from error
+            if self.machine.policy.part_failure_stops_graphs:
+                self.machine.rollback(reason, error)
+                return
             self._turn_off(reason)
             eager_update()
             return
@@ -208,8 +209,7 @@ class OptimizerGraph:
         self._audits.checked()
         if value is not None:
             self.report.audits += 1
-            previous = self.report.optimizer_parity_err
-            self.report.optimizer_parity_err = value if math.isnan(previous) else max(previous, value)
+            self.report.optimizer_parity_err = largest_so_far(self.report.optimizer_parity_err, value)
         if not self.machine.agreement.all_ok(value is None or value <= OPTIMIZER_TOL):
             by = "on another rank" if value is None or value <= OPTIMIZER_TOL else f"by {value:.3g}"
             self.machine.rollback(

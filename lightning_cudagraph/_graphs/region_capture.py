@@ -120,7 +120,7 @@ class NarrowingCapture:
         for region in captured.regions:  # one pass, one pool: the others are captured again
             region.reset()
         reasons = {name: self._failure_reason(name, e) for name, e in captured.failed.items()}
-        if self.config.on_failure == "raise" and not self.config.auto_scope:  # a fixed scope: the user's choice
+        if self.machine.policy.part_failure_stops_graphs:
             name = next(iter(reasons))
             self.machine.rollback(f"{name}: {reasons[name]}", captured.failed[name])
             return False

@@ -32,14 +32,8 @@ from lightning_cudagraph._trust.recording import WarmupRecorder
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.shape_change import ShapeAction, ShapeDecision
 from lightning_cudagraph._trust.stages import StageMachine
+from lightning_cudagraph._trust.tolerance import forward_tolerance
 from lightning_cudagraph.health import Stage
-
-#: Relative parity tolerances when ``parity_tol`` is not given: full precision, and under autocast.
-DEFAULT_PARITY_TOL = 1e-4
-REDUCED_PRECISION_PARITY_TOL = 2e-2
-#: Full precision with ``compile=``: fused kernels reorder float sums (the graphed forward is compiled, the
-#: reference eager), which moves results by about 1e-6..1e-5 relative; a wrong graph is off by far more.
-COMPILED_PARITY_TOL = 1e-3
 
 
 class ScopedDriver(Driver):
@@ -189,11 +183,8 @@ class ScopedDriver(Driver):
 
     def parity_tolerance(self) -> float:
         """The tolerance of the parity check: the option, or the default of the captured precision."""
-        if self.config.parity_tol is not None:
-            return self.config.parity_tol
-        if self.capture.autocast:
-            return REDUCED_PRECISION_PARITY_TOL
-        return COMPILED_PARITY_TOL if self.config.compile is not None else DEFAULT_PARITY_TOL
+        config = self.config
+        return forward_tolerance(config.parity_tol, reduced=self.capture.autocast, compiled=config.compile is not None)
 
     # ------------------------------------------------------------------ shapes and levels
     @property

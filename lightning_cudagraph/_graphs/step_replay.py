@@ -8,7 +8,6 @@ every capture and every ``audit_every_n_steps`` replayed steps. The graph counts
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph._lightning import set_closure_result, step_loss
 from lightning_cudagraph._trust.cadence import AuditCadence
+from lightning_cudagraph._trust.evidence import largest_so_far
 from lightning_cudagraph._trust.shadow import compare
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
@@ -105,8 +105,7 @@ class StepReplays:
         state.keep_gradient_buffers()
         verdict = compare(trainer, state, graph_params, graph_loss, step_loss(output), graph_grads, place.zeroes)
         self.report.audits += 1
-        previous = self.report.parity_err
-        self.report.parity_err = verdict.error if math.isnan(previous) else max(previous, verdict.error)
+        self.report.parity_err = largest_so_far(self.report.parity_err, verdict.error)
         if not verdict.passed:
             self.machine.rollback(verdict.reason(trainer.global_step))
         return output

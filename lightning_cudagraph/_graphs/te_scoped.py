@@ -10,9 +10,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._graphs.routing import GraphSet, StepRoute
 from lightning_cudagraph._graphs.scoped import ScopedDriver
-
-#: Default relative parity tolerance under FP8 (E4M3 keeps 3 mantissa bits).
-FP8_PARITY_TOL = 0.125
+from lightning_cudagraph._trust.tolerance import forward_tolerance
 
 
 class TEScopedDriver(ScopedDriver):
@@ -57,6 +55,6 @@ class TEScopedDriver(ScopedDriver):
 
     def parity_tolerance(self) -> float:
         """FP8's tolerance when FP8 is on and ``parity_tol`` was not given."""
-        if self.config.parity_tol is None and self.fp8:
-            return FP8_PARITY_TOL
+        if self.fp8:  # E4M3 keeps 3 mantissa bits
+            return forward_tolerance(self.config.parity_tol, reduced=True, fp8=True)
         return super().parity_tolerance()

@@ -39,11 +39,12 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._backend.backend import CaptureBackend
-from lightning_cudagraph._graphs.eval_capture import FailurePolicy
 from lightning_cudagraph._graphs.eval_regions import EvalRegionGraphs
 from lightning_cudagraph._graphs.eval_step import EvalStepGraphs
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
 from lightning_cudagraph._options.options import DEFAULT_MAX_GRAPHS
+from lightning_cudagraph._trust.failure import FailurePolicy
+from lightning_cudagraph._trust.tolerance import forward_tolerance, full_precision
 from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["EVAL_HOOKS", "EvaluationGraphs", "TrainedLevel"]
@@ -54,8 +55,6 @@ EVAL_HOOKS = {
     RunningStage.TESTING: "test_step",
     RunningStage.PREDICTING: "predict_step",
 }
-#: Parity tolerances: float32 graphs replay the eager kernels; reduced precision leaves more room.
-FP32_TOL, REDUCED_TOL = 1e-4, 2e-2
 
 WHOLE_STEP, REGIONS, EAGER = "whole_step", "regions", "eager"
 
@@ -100,7 +99,7 @@ class EvaluationGraphs:
 
     def __init__(self, config: CUDAGraphConfig, component: str, record: EvaluationRecord) -> None:
         self.config, self.component, self.record = config, component, record
-        self.policy = FailurePolicy(component, config.on_failure, record)
+        self.policy = FailurePolicy(component, config.on_failure)
         self.steps: EvalStepGraphs | None = None
         self.regions: EvalRegionGraphs | None = None
         self.mode = EAGER
@@ -191,10 +190,7 @@ class EvaluationGraphs:
         return None
 
     def _tolerance(self, trainer: pl.Trainer) -> float:
-        if self.config.parity_tol is not None:
-            return self.config.parity_tol
-        precision = str(trainer.precision)
-        return FP32_TOL if precision in ("32-true", "32", "64-true", "64") else REDUCED_TOL
+        return forward_tolerance(self.config.parity_tol, reduced=not full_precision(trainer.precision))
 
     def loop_end(self) -> None:
         """The loop ended: the regions get their forwards back; a loop outside a fit frees its graphs."""

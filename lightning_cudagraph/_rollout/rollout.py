@@ -32,6 +32,7 @@ from lightning_cudagraph._rollout.factory import DriverFactory
 from lightning_cudagraph._rollout.fit_log import FitLog
 from lightning_cudagraph._rollout.step_python import StepPython
 from lightning_cudagraph._trust.agreement import RankAgreement
+from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph._trust.observation import Observer
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import CUDAGraphReport, Stage
@@ -50,7 +51,8 @@ class Rollout:
         self.config = config
         self.component = component
         self.report = CUDAGraphReport()
-        self.machine = StageMachine(self.report, component, config.on_failure, release=self.release)
+        policy = FailurePolicy(component, config.on_failure, auto_scope=config.auto_scope)
+        self.machine = StageMachine(self.report, policy, release=self.release)
         self.backend = backend
         #: The level runner of the fit (``None`` until setup planned its levels, or when graphs are off before).
         self.climb: Climb | None = None

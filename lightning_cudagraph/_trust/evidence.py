@@ -6,6 +6,7 @@ scalar; none synchronizes with the device.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -13,6 +14,16 @@ from typing import Any
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+
+
+def largest_so_far(previous: float, *errors: float) -> float:
+    """The largest difference from eager seen so far: ``previous`` (NaN before any check) and ``errors``.
+
+    Example:
+        >>> largest_so_far(float("nan"), 0.5), largest_so_far(0.5, 0.25, 0.75)
+        (0.5, 0.75)
+    """
+    return max(errors) if math.isnan(previous) else max(previous, *errors)
 
 
 def relative_error(reference: Sequence[Tensor], other: Sequence[Tensor]) -> Tensor:

@@ -15,12 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_cudagraph._trust.snapshot import TrainingState
-
-#: Largest relative difference allowed between the graph's and the eager step's parameter update (and loss), by
-#: whether the step runs under autocast. Run-to-run noise of the same kernels is orders of magnitude below, while a
-#: wrong batch, a frozen hyperparameter or stale storage moves the update by about its own size.
-SHADOW_TOL = {False: 1e-3, True: 5e-2}
-FULL_PRECISIONS = ("32", "32-true", "64", "64-true")
+from lightning_cudagraph._trust.tolerance import step_tolerance
 
 
 @dataclass(frozen=True)
@@ -77,7 +72,7 @@ def compare(
         error = torch.maximum(error, ((graph - eager).abs().max() / eager.abs().max().clamp_min(1e-6)).reshape(()))
         figures = [error, graph.mean(), eager.mean()]
     value, *losses = torch.stack(figures).tolist()  # the one host sync
-    tolerance = SHADOW_TOL[str(trainer.precision) not in FULL_PRECISIONS]
+    tolerance = step_tolerance(trainer.precision)
     return Verdict(value, tolerance, (losses[0], losses[1]) if losses else None)
 
 

@@ -85,7 +85,8 @@ class ShapeDecision:
         >>> from lightning_cudagraph._options.batches import batch_key
         >>> from lightning_cudagraph.health import CUDAGraphReport
         >>> report = CUDAGraphReport()
-        >>> machine = StageMachine(report, "CUDAGraphCallback", "warn", release=lambda: None)
+        >>> from lightning_cudagraph._trust.failure import FailurePolicy
+        >>> machine = StageMachine(report, FailurePolicy("CUDAGraphCallback", "eager"), release=lambda: None)
         >>> decision = ShapeDecision("eager", ShapeCache(1, report, "CUDAGraphCallback", print), machine, "C")
         >>> decision.decide(batch_key((torch.zeros(8, 16),)), seen=0, needed=3).action
         <ShapeAction.EAGER: 'eager'>

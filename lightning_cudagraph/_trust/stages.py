@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_cudagraph._lightning import step_loss
 from lightning_cudagraph._trust.agreement import RankAgreement
+from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 
 
@@ -58,20 +59,22 @@ class StageMachine:
     Args:
         report: Written on every transition (stage, reason, rollbacks).
         component: Named in messages.
-        on_failure: ``"eager"`` (roll back and go on) or ``"raise"``.
+        policy: What a failed check does (:class:`~lightning_cudagraph._trust.failure.FailurePolicy`).
         release: Frees every graph and restores everything patched; called when graphs are given up.
 
     Example:
         >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> machine = StageMachine(CUDAGraphReport(), "CUDAGraphCallback", "eager", release=lambda: None)
+        >>> from lightning_cudagraph._trust.failure import FailurePolicy
+        >>> policy = FailurePolicy("CUDAGraphCallback", "eager")
+        >>> machine = StageMachine(CUDAGraphReport(), policy, release=lambda: None)
         >>> machine.begin_confirmation(); machine.confirm(graphs=2); machine.stage
         <Stage.REPLAYING: 2>
     """
 
-    def __init__(self, report: CUDAGraphReport, component: str, on_failure: str, release: Callable[[], None]) -> None:
+    def __init__(self, report: CUDAGraphReport, policy: FailurePolicy, release: Callable[[], None]) -> None:
         self.report = report
-        self.component = component
-        self.on_failure = on_failure
+        self.policy = policy
+        self.component = policy.component
         self._release = release
         #: Every decision below is taken once for all ranks (a no-op in a single process).
         self.agreement = RankAgreement(torch.device("cpu"))
@@ -132,11 +135,12 @@ class StageMachine:
         self.report.rollbacks += 1
         self.report.rollback_reasons.append(reason)
         self._give_up(f"rollback: {reason}")
-        if self.on_failure == "raise":
-            raise RuntimeError(f"{self.component}(on_failure='raise'): CUDA graphs failed: {reason}") from error
-        rank_zero_warn(
-            f"{self.component}: rolled back to eager training: {reason}. Graphs, pool and patched forwards are"
-            " released; training continues eagerly (cudagraph/stage=-1). Pass on_failure='raise' to stop instead."
+        self.policy.fail(
+            f"CUDA graphs failed: {reason}",
+            error,
+            eager_message=f"{self.component}: rolled back to eager training: {reason}. Graphs, pool and patched"
+            " forwards are released; training continues eagerly (cudagraph/stage=-1). Pass on_failure='raise' to stop"
+            " instead.",
         )
 
     def disable(self, reason: str, detail: str | None = None, warn: bool = True) -> None:

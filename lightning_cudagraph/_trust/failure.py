@@ -1,0 +1,50 @@
+"""The one failure rule: what a failed capture or check does under ``on_failure``.
+
+Under ``on_failure="eager"`` a failure is loud and training goes on: the failing part (a region, the optimizer
+update, an evaluation graph) runs eagerly, or the fit rolls back to eager training. Under ``on_failure="raise"`` it
+raises :class:`GraphFailure`. One exception: a part that fails under ``scope="auto"`` is the ladder's to handle, so
+it goes eager there as it would under ``"eager"``.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+__all__ = ["FailurePolicy", "GraphFailure"]
+
+
+class GraphFailure(RuntimeError):
+    """A capture or check of a graph failed and the options asked to stop (``on_failure="raise"``)."""
+
+
+class FailurePolicy:
+    """What a failure does, for every kind of graph.
+
+    Args:
+        component: Named in messages.
+        on_failure: ``"eager"`` or ``"raise"``.
+        auto_scope: ``scope="auto"``: a failed part is the ladder's to handle, never raised.
+
+    Example:
+        >>> policy = FailurePolicy("CUDAGraphCallback", "raise")
+        >>> policy.part_failure_stops_graphs
+        True
+        >>> policy.fail("parity: off by 2x", eager_message="unused")
+        Traceback (most recent call last):
+        ...
+        lightning_cudagraph._trust.failure.GraphFailure: CUDAGraphCallback(on_failure='raise'): parity: off by 2x
+    """
+
+    def __init__(self, component: str, on_failure: str, auto_scope: bool = False) -> None:
+        self.component, self.on_failure, self.auto_scope = component, on_failure, auto_scope
+
+    @property
+    def part_failure_stops_graphs(self) -> bool:
+        """A failed region or optimizer update takes the fit's graphs down (and raises) instead of going eager alone."""
+        return self.on_failure == "raise" and not self.auto_scope
+
+    def fail(self, reason: str, error: BaseException | None = None, *, eager_message: str) -> None:
+        """Raise :class:`GraphFailure` for ``reason`` under ``on_failure="raise"``; otherwise warn ``eager_message``."""
+        if self.on_failure == "raise":
+            raise GraphFailure(f"{self.component}(on_failure='raise'): {reason}") from error
+        rank_zero_warn(eager_message)
