@@ -24,7 +24,8 @@ from lightning_cudagraph._lightning import step_loss
 from lightning_cudagraph._options.batches import batch_key
 from lightning_cudagraph._options.config import FULL_ITERATION
 from lightning_cudagraph._trust.capture_hints import known_cause
-from lightning_cudagraph._trust.observation import SKIP_FIX, Behaviour, Observer, frozen_by_a_graph, watched_index
+from lightning_cudagraph._trust.observation import SKIP_FIX, Behaviour, Observer, frozen_by_a_graph
+from lightning_cudagraph._trust.reads import watched_index
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
 

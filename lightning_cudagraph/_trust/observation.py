@@ -20,13 +20,8 @@ boundaries. A replayed step runs none of this.
 from __future__ import annotations
 
 import contextlib
-import linecache
-import os
-import random
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,16 +29,11 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SKIP_FIX", "Behaviour", "Observer", "frozen_by_a_graph", "watched_index"]
+from lightning_cudagraph._trust.fingerprints import describe_changes, python_state, random_states
+from lightning_cudagraph._trust.reads import reads_watched
 
-#: Frames of these packages are not the user's: what they read is the framework's own business.
-_FRAMEWORK_DIRS = tuple(
-    os.path.dirname(path) + os.sep
-    for path in (torch.__file__, sys.modules[pl.__name__.partition(".")[0]].__file__, __file__)
-    if path is not None
-)
-#: The per-step values of Lightning a graph would freeze, by the class attribute they are read through.
-_PER_STEP = ("global_step", "current_epoch")
+__all__ = ["SKIP_FIX", "Behaviour", "Observer", "frozen_by_a_graph"]
+
 #: What a user can do about a step that skips its batch (``training_step`` returns ``None``).
 SKIP_FIX = (
     "where skipping means leaving the batch out of the loss, mask it instead (multiply the loss by a 0/1 tensor);"
@@ -51,15 +41,6 @@ SKIP_FIX = (
 )
 #: Operations kept in a trace at most (a long step is compared on its first ones).
 _TRACE_LIMIT = 200_000
-
-
-def _user_line(frame: FrameType | None) -> str | None:
-    """``file:line: source`` of the first frame outside the framework, or ``None`` when the framework reads."""
-    if frame is None or frame.f_code.co_filename.startswith(_FRAMEWORK_DIRS):
-        return None
-    name, line = frame.f_code.co_filename, frame.f_lineno
-    source = linecache.getline(name, line).strip()
-    return f"{os.path.basename(name)}:{line}: `{source}`" if source else f"{os.path.basename(name)}:{line}"
 
 
 @dataclass
@@ -196,11 +177,11 @@ class Observer:
         :meth:`resume` (``training_step``: what the optimizer runs before its closure is not the step's own).
         """
         seen = Behaviour()
-        before, draws = python_state(modules), _random_states()
+        before, draws = python_state(modules), random_states()
         excused: set[str] = set()
         start, owns = self._enter_trace(paused)
         try:
-            with _reads_watched(reader, seen.reads), self._logs_untraced(reader, excused):
+            with reads_watched(reader, seen.reads), self._logs_untraced(reader, excused):
                 yield seen
         finally:
             mode = self._mode
@@ -208,7 +189,7 @@ class Observer:
                 seen.trace = tuple(mode.ops[start:])
             if owns:
                 self._leave_trace()
-            seen.random = [name for name, state in _random_states().items() if draws.get(name) != state]
+            seen.random = [name for name, state in random_states().items() if draws.get(name) != state]
             after = {name: value for name, value in python_state(modules).items() if name not in excused}
             seen.mutated = describe_changes({k: v for k, v in before.items() if k not in excused}, after)
 
@@ -275,216 +256,3 @@ class Observer:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
-
-
-# ---------------------------------------------------------------------------------------------- reads
-@contextlib.contextmanager
-def _reads_watched(module: pl.LightningModule | None, reads: dict[str, str]) -> Iterator[None]:
-    """Note where user code reads ``global_step`` or ``current_epoch``, through the module or its Trainer."""
-    if module is None:
-        yield
-        return
-    trainer = module._trainer
-    owners = [(type(module), "self"), *([(type(trainer), "trainer")] if trainer is not None else [])]
-    patched: list[tuple[type, str, Any]] = []
-    try:
-        for owner, prefix in owners:
-            for name in _PER_STEP:
-                original = owner.__dict__.get(name)
-                getter = getattr(owner, name, None)
-                if not isinstance(getter, property) or getter.fget is None:
-                    continue
-                setattr(owner, name, property(_noting(getter.fget, f"{prefix}.{name}", reads)))
-                patched.append((owner, name, original))
-        yield
-    finally:
-        for owner, name, original in reversed(patched):
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-
-def _noting(fget: Callable[[Any], Any], name: str, reads: dict[str, str]) -> Callable[[Any], Any]:
-    def read(instance: Any) -> Any:
-        where = _user_line(sys._getframe(1))
-        if where is not None:
-            reads.setdefault(name, where)
-        return fget(instance)
-
-    return read
-
-
-class _WatchedIndex(int):
-    """An ``int`` that notes where user code first used it (``batch_idx`` of an observed step)."""
-
-    _reads: dict[str, str]
-    _name: str
-
-    def __reduce__(self) -> Any:
-        return (int, (int(self),))
-
-
-def _watching(name: str) -> Callable[..., Any]:
-    base = getattr(int, name)
-
-    def method(self: _WatchedIndex, *args: Any) -> Any:
-        where = _user_line(sys._getframe(1))
-        if where is not None:
-            self._reads.setdefault(self._name, where)
-        return base(self, *args)
-
-    return method
-
-
-for _name in [
-    "__eq__",
-    "__ne__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__hash__",
-    "__bool__",
-    "__index__",
-    "__int__",
-    "__float__",
-    "__str__",
-    "__repr__",
-    "__format__",
-    "__neg__",
-    "__pos__",
-    "__abs__",
-    "__round__",
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__mod__",
-    "__rmod__",
-    "__divmod__",
-    "__rdivmod__",
-    "__pow__",
-    "__rpow__",
-    "__and__",
-    "__rand__",
-    "__or__",
-    "__ror__",
-    "__xor__",
-    "__rxor__",
-    "__lshift__",
-    "__rlshift__",
-    "__rshift__",
-    "__rrshift__",
-]:
-    setattr(_WatchedIndex, _name, _watching(_name))
-
-
-def watched_index(value: int, reads: dict[str, str], name: str = "batch_idx") -> int:
-    """``value`` as an ``int`` that notes in ``reads`` where user code first used it.
-
-    Example:
-        >>> reads = {}
-        >>> index = watched_index(7, reads)
-        >>> index % 2, index + 1
-        (1, 8)
-        >>> sorted(reads)
-        ['batch_idx']
-    """
-    watched = _WatchedIndex(value)
-    watched._reads, watched._name = reads, name
-    return watched
-
-
-# ---------------------------------------------------------------------------------------------- random generators
-def _random_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"Python's random": random.getstate()}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        kind, keys, position, *_ = numpy.random.get_state()
-        states["numpy.random"] = (kind, hash(keys.tobytes()), position)
-    return states
-
-
-# ---------------------------------------------------------------------------------------------- module attributes
-def python_state(modules: Sequence[torch.nn.Module], deep: bool = True) -> dict[str, Any]:
-    """A fingerprint of the plain Python attributes of ``modules`` and everything inside them, by qualified name.
-
-    ``deep=False``: the modules' own attributes only.
-
-    Tensors, submodules, hooks and the framework's own bookkeeping are left out; torchmetrics metrics are watched by
-    their update counts elsewhere.
-
-    Example:
-        >>> import torch
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> layer.calls = 3
-        >>> python_state([layer])
-        {'in_features': 2, 'out_features': 2, 'calls': 3}
-    """
-    from torchmetrics import Metric
-
-    state: dict[str, Any] = {}
-    for root in modules:
-        for prefix, module in root.named_modules(remove_duplicate=False) if deep else [("", root)]:
-            if isinstance(module, Metric):
-                continue
-            for key, value in vars(module).items():
-                if key in _framework_keys() or "hook" in key or isinstance(value, (torch.Tensor, torch.nn.Module)):
-                    continue
-                state[f"{prefix}.{key}" if prefix else key] = _fingerprint(value, top=True)
-    return state
-
-
-def _fingerprint(value: Any, top: bool = False) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return value
-    if isinstance(value, torch.Tensor):
-        return ("tensor",)
-    if isinstance(value, (list, tuple, dict, set, frozenset)):
-        items = list(value.values() if isinstance(value, dict) else value)
-        inner = tuple(_fingerprint(item) for item in items[:8]) if top else ()
-        return (type(value).__name__, id(value), len(items), inner)
-    return (type(value).__name__, id(value))
-
-
-def describe_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """What changed between two :func:`python_state` fingerprints, one line per attribute.
-
-    Example:
-        >>> describe_changes({"calls": 2, "seen": ("list", 1, 3, ())}, {"calls": 3, "seen": ("list", 1, 4, ())})
-        ['calls: 2 -> 3', 'seen: list of 3 -> 4 items']
-    """
-    changes = []
-    for name in sorted(before.keys() | after.keys()):
-        old, new = before.get(name, _MISSING), after.get(name, _MISSING)
-        if old == new:
-            continue
-        if old is _MISSING:
-            changes.append(f"{name}: set by the step")
-        elif new is _MISSING:
-            changes.append(f"{name}: deleted by the step")
-        elif isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 4 and old[:2] == new[:2]:
-            changes.append(f"{name}: {old[0]} of {old[2]} -> {new[2]} items" if old[2] != new[2] else f"{name}: items")
-        elif isinstance(old, tuple) or isinstance(new, tuple):
-            changes.append(f"{name}: rebound")
-        else:
-            changes.append(f"{name}: {old!r} -> {new!r}")
-    return changes
-
-
-_MISSING = object()
-_KEYS: set[str] = set()
-
-
-def _framework_keys() -> set[str]:
-    """Attribute names ``nn.Module`` and ``LightningModule`` set themselves (their own bookkeeping)."""
-    if not _KEYS:
-        _KEYS.update(vars(torch.nn.Module()), vars(pl.LightningModule()), ("forward", "_compiled_call_impl"))
-    return _KEYS

@@ -1,0 +1,164 @@
+"""Where user code reads the per-step values a graph would freeze: ``global_step``, ``current_epoch``, ``batch_idx``.
+
+During an observed step the two counters are read through patched class properties of the LightningModule and the
+Trainer, and ``batch_idx`` is an ``int`` that notes the arithmetic and comparisons user code makes with it. Each
+read notes the first line outside the framework that made it; reads by torch and Lightning themselves are theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["reads_watched", "watched_index"]
+
+#: Frames of these packages (torch, Lightning, this one) are not the user's: what they read is their own business.
+_PACKAGE_FILE = sys.modules[__name__.partition(".")[0]].__file__
+_FRAMEWORK_DIRS = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (torch.__file__, sys.modules[pl.__name__.partition(".")[0]].__file__, _PACKAGE_FILE)
+    if path is not None
+)
+#: The per-step values of Lightning a graph would freeze, by the class attribute they are read through.
+_PER_STEP = ("global_step", "current_epoch")
+
+
+def _user_line(frame: FrameType | None) -> str | None:
+    """``file:line: source`` of the first frame outside the framework, or ``None`` when the framework reads."""
+    if frame is None or frame.f_code.co_filename.startswith(_FRAMEWORK_DIRS):
+        return None
+    name, line = frame.f_code.co_filename, frame.f_lineno
+    source = linecache.getline(name, line).strip()
+    return f"{os.path.basename(name)}:{line}: `{source}`" if source else f"{os.path.basename(name)}:{line}"
+
+
+@contextlib.contextmanager
+def reads_watched(module: pl.LightningModule | None, reads: dict[str, str]) -> Iterator[None]:
+    """Note where user code reads ``global_step`` or ``current_epoch``, through the module or its Trainer."""
+    if module is None:
+        yield
+        return
+    trainer = module._trainer
+    owners = [(type(module), "self"), *([(type(trainer), "trainer")] if trainer is not None else [])]
+    patched: list[tuple[type, str, Any]] = []
+    try:
+        for owner, prefix in owners:
+            for name in _PER_STEP:
+                original = owner.__dict__.get(name)
+                getter = getattr(owner, name, None)
+                if not isinstance(getter, property) or getter.fget is None:
+                    continue
+                setattr(owner, name, property(_noting(getter.fget, f"{prefix}.{name}", reads)))
+                patched.append((owner, name, original))
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def _noting(fget: Callable[[Any], Any], name: str, reads: dict[str, str]) -> Callable[[Any], Any]:
+    def read(instance: Any) -> Any:
+        where = _user_line(sys._getframe(1))
+        if where is not None:
+            reads.setdefault(name, where)
+        return fget(instance)
+
+    return read
+
+
+class _WatchedIndex(int):
+    """An ``int`` that notes where user code first used it (``batch_idx`` of an observed step)."""
+
+    _reads: dict[str, str]
+    _name: str
+
+    def __reduce__(self) -> Any:
+        return (int, (int(self),))
+
+
+def _watching(name: str) -> Callable[..., Any]:
+    base = getattr(int, name)
+
+    def method(self: _WatchedIndex, *args: Any) -> Any:
+        where = _user_line(sys._getframe(1))
+        if where is not None:
+            self._reads.setdefault(self._name, where)
+        return base(self, *args)
+
+    return method
+
+
+for _name in [
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__hash__",
+    "__bool__",
+    "__index__",
+    "__int__",
+    "__float__",
+    "__str__",
+    "__repr__",
+    "__format__",
+    "__neg__",
+    "__pos__",
+    "__abs__",
+    "__round__",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__rmod__",
+    "__divmod__",
+    "__rdivmod__",
+    "__pow__",
+    "__rpow__",
+    "__and__",
+    "__rand__",
+    "__or__",
+    "__ror__",
+    "__xor__",
+    "__rxor__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
+]:
+    setattr(_WatchedIndex, _name, _watching(_name))
+
+
+def watched_index(value: int, reads: dict[str, str], name: str = "batch_idx") -> int:
+    """``value`` as an ``int`` that notes in ``reads`` where user code first used it.
+
+    Example:
+        >>> reads = {}
+        >>> index = watched_index(7, reads)
+        >>> index % 2, index + 1
+        (1, 8)
+        >>> sorted(reads)
+        ['batch_idx']
+    """
+    watched = _WatchedIndex(value)
+    watched._reads, watched._name = reads, name
+    return watched
