@@ -635,8 +635,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_trust/observation.py",
-        '            found = seen.changes() or (f"launched other operations than before: {change}" if change else None)',
-        '            found = f"launched other operations than before: {change}" if change else None',
+        '            found = seen.changes() or (f"launched other operations than before: {change}"',
+        '            found = (f"launched other operations than before: {change}"',
         "a counter or an outputs list in training_step silently stops under the whole step",
         P + "test_per_step_python_never_trains_off_eager",
     ),

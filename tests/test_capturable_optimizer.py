@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_cudagraph._backend.optimizers import CapturableOptimizer
+from lightning_cudagraph._backend.optimizers import CapturableOptimizer, unfit_optimizer
 
 
 def _adamw(**kwargs) -> torch.optim.AdamW:
@@ -122,3 +122,34 @@ def test_an_adam_built_with_fused_false_keeps_its_capturable_foreach_form():
     assert (group["fused"], group["capturable"]) == (False, True)
     switched.restore()
     assert (group["fused"], group["capturable"]) == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("build", "scaler", "whole_step", "expected"),
+    [
+        (lambda p: torch.optim.AdamW(p), False, True, None),
+        (lambda p: torch.optim.AdamW(p), False, False, None),
+        (lambda p: torch.optim.Adagrad(p), False, True, "Adagrad has no capturable form"),
+        (lambda p: torch.optim.Adagrad(p, fused=True), False, True, None),  # fused kernels read a device lr
+        (lambda p: torch.optim.Adagrad(p, fused=True), False, False, "Adagrad has no capturable form"),
+        (lambda p: torch.optim.AdamW(p), True, True, "GradScaler reads found_inf on the host"),
+        (lambda p: torch.optim.AdamW(p, fused=True), True, True, None),
+        (lambda p: torch.optim.AdamW(p, fused=True), True, False, "GradScaler reads found_inf on the host"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, differentiable=True), False, True, "differentiable=True"),
+    ],
+)
+def test_one_rule_says_which_optimizers_a_graph_can_step(build, scaler, whole_step, expected):
+    """The whole step and the optimizer graph of scoped levels ask the same function, with their one difference."""
+    optimizer = build(torch.nn.Linear(2, 2).parameters())
+    unfit = unfit_optimizer(optimizer, automatic=True, grad_scaler=scaler, whole_step=whole_step)
+    assert (unfit is None) == (expected is None), unfit
+    if expected is not None:
+        assert unfit.what.startswith(expected) or expected in unfit.what, unfit
+
+
+def test_an_optimizer_step_hook_keeps_the_optimizer_graph_eager_and_is_the_step_pythons_for_the_whole_step():
+    optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    optimizer.register_step_post_hook(lambda *args: None)
+    graph = unfit_optimizer(optimizer, automatic=True, grad_scaler=False, whole_step=False)
+    assert graph is not None and "which a replay would not run" in graph.what
+    assert unfit_optimizer(optimizer, automatic=True, grad_scaler=False, whole_step=True) is None

@@ -7,6 +7,7 @@ schedulers then update in place). Checkpoints still hold the optimizer as the us
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -204,3 +205,60 @@ def describe_step_hooks(optimizer: torch.optim.Optimizer) -> str | None:
     names = ("step pre-hook(s)", "step post-hook(s)", "global step pre-hook(s)", "global step post-hook(s)")
     found = [f"{count} {name}" for count, name in zip(step_hooks(optimizer), names, strict=True) if count]
     return f"{type(optimizer).__name__} has {', '.join(found)}" if found else None
+
+
+@dataclass(frozen=True)
+class Unfit:
+    """Why an optimizer's step cannot run inside a graph: what is in the way, what would work, and the fix."""
+
+    what: str
+    allowed: str
+    fix: str
+
+
+def unfit_optimizer(
+    optimizer: torch.optim.Optimizer, *, automatic: bool, grad_scaler: bool, whole_step: bool
+) -> Unfit | None:
+    """The one rule for an optimizer step inside a graph: the whole step's, or the optimizer graph's of scoped levels.
+
+    Both need a step whose Python decides nothing per step. The whole step also runs an optimizer built with
+    ``fused=True`` of any class (the fused kernels read a device learning rate) and, with fused optimizers, a grad
+    scaler (the fused step reads found-inf on the device); the optimizer graph, which captures the step apart from
+    Lightning's closure, neither. A step hook registered on the optimizer is the step's Python: the whole step leaves
+    it to the observation of the step's Python (it is refused before the first capture), the optimizer graph stays
+    eager.
+
+    Args:
+        optimizer: The optimizer as the user built it.
+        automatic: Lightning's automatic optimization (the module's ``automatic_optimization``).
+        grad_scaler: The precision plugin steps through a grad scaler (``16-mixed``).
+        whole_step: For the whole step (else for the optimizer graph).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> unfit_optimizer(torch.optim.Adagrad(model.parameters()), automatic=True, grad_scaler=False,
+        ...                 whole_step=False).what
+        'Adagrad has no capturable form the package knows (it knows Adam, AdamW, SGD)'
+    """
+    name = type(optimizer).__name__
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    known = ", ".join(cls.__name__ for cls in CAPTURABLE_OPTIMIZERS)
+    if not automatic and not whole_step:
+        fix = "let Lightning call the optimizer, or keep the optimizer step eager"
+        return Unfit("manual optimization (training_step calls the optimizer itself)", "automatic optimization", fix)
+    if grad_scaler and not (whole_step and fused):
+        what = "16-mixed's GradScaler reads found_inf on the host in the step of a non-fused optimizer"
+        allowed = "a fused optimizer under precision='16-mixed' with the whole step" if whole_step else "bf16-mixed"
+        fix = "build it with fused=True (e.g. torch.optim.AdamW(..., fused=True)) or use precision='bf16-mixed'"
+        return Unfit(what, allowed, fix)
+    if not isinstance(optimizer, CAPTURABLE_OPTIMIZERS) and not (whole_step and fused):
+        allowed = f"torch.optim.{', '.join(cls.__name__ for cls in CAPTURABLE_OPTIMIZERS)}"
+        allowed += ", or any optimizer built with fused=True" if whole_step else ""
+        fix = "use one of those in configure_optimizers, or a scoped level (the optimizer then stays eager)"
+        return Unfit(f"{name} has no capturable form the package knows (it knows {known})", allowed, fix)
+    if any(group.get("differentiable") for group in optimizer.param_groups):
+        return Unfit("differentiable=True", "differentiable=False", "build the optimizer without it")
+    hooks = describe_step_hooks(optimizer)
+    if hooks is not None and not whole_step:
+        return Unfit(f"{hooks}, which a replay would not run", "no step hooks", "remove the hooks for the fit")
+    return None

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
-from lightning_cudagraph._backend.optimizers import CAPTURABLE_OPTIMIZERS, describe_step_hooks
+from lightning_cudagraph._backend.optimizers import unfit_optimizer
 from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_replay import run_eagerly
 from lightning_cudagraph._options.config import CUDAGraphConfig
@@ -243,7 +243,7 @@ class OptimizerGraph:
         if not self.config.optimizer_graph:
             self.off_reason = self.report.optimizer_graph = OPTION_OFF  # the user's choice: nothing to warn about
             return
-        problem = _unfit(trainer, optimizer) if first else "the fit steps more than one optimizer"
+        problem = _unfit_reason(trainer, optimizer) if first else "the fit steps more than one optimizer"
         if problem is not None:
             self._turn_off(f"optimizer_not_graphed: {problem}")
             self.optimizers.restore()
@@ -323,26 +323,6 @@ def _eager_update(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     return lambda: type(optimizer).step(optimizer)
 
 
-def _unfit(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why this optimizer step cannot be a graph of its own, or ``None``."""
-    module = trainer.lightning_module
-    if not module.automatic_optimization:
-        return "manual optimization (training_step calls the optimizer itself)"
-    if not isinstance(optimizer, CAPTURABLE_OPTIMIZERS):
-        names = ", ".join(cls.__name__ for cls in CAPTURABLE_OPTIMIZERS)
-        return f"{type(optimizer).__name__} has no capturable form the package knows (it knows {names})"
-    if getattr(trainer.precision_plugin, "scaler", None) is not None:
-        return (
-            "16-mixed's GradScaler reads found_inf on the host in its step; use bf16-mixed to graph the optimizer step"
-        )
-    hooks = describe_step_hooks(optimizer)
-    if hooks is not None:
-        return f"{hooks}, which a replay would not run"
-    if any(group.get("differentiable") for group in optimizer.param_groups):
-        return "differentiable=True"
-    return None
-
-
 def _setting_moved(problem: str) -> str:
     """``StepOptimizers.settings_problem`` 's reason, said of the optimizer graph."""
     change = problem.partition(" after the whole step")[0]
@@ -365,3 +345,11 @@ def _state_error(moving: list[tuple[Tensor, Tensor]], graph_state: list[Tensor])
     if not errors:
         return torch.zeros((), device=moving[0][0].device if moving else None)
     return torch.stack([e.to(errors[0].device) for e in errors]).max()
+
+
+def _unfit_reason(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why this optimizer step cannot be a graph of its own (:func:`unfit_optimizer`), or ``None``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+    automatic = trainer.lightning_module.automatic_optimization
+    unfit = unfit_optimizer(optimizer, automatic=automatic, grad_scaler=scaler, whole_step=False)
+    return None if unfit is None else unfit.what

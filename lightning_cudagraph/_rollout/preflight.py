@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import (
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_cudagraph._backend.optimizers import CAPTURABLE_OPTIMIZERS
+from lightning_cudagraph._backend.optimizers import unfit_optimizer
 from lightning_cudagraph._lightning import anomaly_detection_on
 from lightning_cudagraph._options.compile_options import inductor_graphs_in
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig, Verbatim, config_error
@@ -120,30 +120,13 @@ def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: st
     """For the whole step: every optimizer can run its step inside a graph (and under a grad scaler if 16-mixed)."""
     if not config.full_iteration:
         return
-    mixed16 = isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.precision == "16-mixed"
+    scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+    automatic = trainer.lightning_module.automatic_optimization
     for optimizer in trainer.optimizers:
-        fused = all(group.get("fused") for group in optimizer.param_groups)
-        if mixed16 and not fused:
-            raise config_error(
-                component,
-                "optimizer",
-                type(optimizer).__name__,
-                "a fused optimizer under precision='16-mixed' with scope=['full_iteration']",
-                "the grad scaler reads found-inf on the host for non-fused optimizers; build it with fused=True"
-                " (e.g. torch.optim.AdamW(..., fused=True)) or use precision='bf16-mixed'",
-            )
-        if not fused and not isinstance(optimizer, CAPTURABLE_OPTIMIZERS):
-            raise config_error(
-                component,
-                "optimizer",
-                type(optimizer).__name__,
-                "torch.optim.Adam, AdamW, SGD, or any optimizer built with fused=True",
-                "use one of those in configure_optimizers, or a scoped capture (the optimizer then stays eager)",
-            )
-        if any(group.get("differentiable") for group in optimizer.param_groups):
-            raise config_error(
-                component, "differentiable", True, "differentiable=False", "build the optimizer without it"
-            )
+        unfit = unfit_optimizer(optimizer, automatic=automatic, grad_scaler=scaler, whole_step=True)
+        if unfit is not None:
+            fix = f"{unfit.what}; {unfit.fix}"
+            raise config_error(component, "optimizer", type(optimizer).__name__, unfit.allowed, fix)
 
 
 def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
