@@ -18,9 +18,8 @@ callback alone (no package strategy) nothing here runs: the callback cannot own 
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,7 +28,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
-from lightning_cudagraph._backend.optimizers import unfit_optimizer
+from lightning_cudagraph._graphs.optimizer_update import (
+    eager_update_of,
+    optimizer_step_replaced,
+    setting_moved,
+    state_error,
+    unfit_reason,
+)
 from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_replay import run_eagerly
 from lightning_cudagraph._options.config import CUDAGraphConfig
@@ -39,7 +44,7 @@ from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph._trust.tolerance import STEP_TOL
 
-__all__ = ["OptimizerGraph", "optimizer_step_replaced"]
+__all__ = ["OptimizerGraph"]
 
 #: ``report.optimizer_graph`` before the graph is captured, while it is checked, and in steady state.
 WAITING, CONFIRMING, REPLAYING = "waiting", "confirming", "replaying"
@@ -92,7 +97,7 @@ class OptimizerGraph:
         if self._graph is not None and self.report.captures != self._captures_seen:
             self._drop_for_recapture()  # a capture since reuses the pool: the update is captured again after it
         module = trainer.lightning_module
-        eager_update = _eager_update(optimizer)
+        eager_update = eager_update_of(optimizer)
 
         def step(closure: Callable[[], Any] | None = None) -> Any:
             with torch.enable_grad():
@@ -111,7 +116,7 @@ class OptimizerGraph:
         problem = self.optimizers.settings_problem()
         if problem is not None:
             eager_update()
-            self.machine.rollback(_setting_moved(problem))
+            self.machine.rollback(setting_moved(problem))
             return
         check_due = self._confirm_left > 0 or self._audits.due()
         grads = [p.grad for p in self._params]  # one pass over the parameters: checked, then copied
@@ -200,7 +205,7 @@ class OptimizerGraph:
         state.restore()
         eager_update()
         params_error = state.update_error_of(graph_params).float()
-        error = torch.maximum(params_error, _state_error(moving, graph_state).to(params_error.device))
+        error = torch.maximum(params_error, state_error(moving, graph_state).to(params_error.device))
         self._weigh(float(error))  # the decision's one host sync
 
     def _weigh(self, value: float | None) -> None:
@@ -243,7 +248,7 @@ class OptimizerGraph:
         if not self.config.optimizer_graph:
             self.off_reason = self.report.optimizer_graph = OPTION_OFF  # the user's choice: nothing to warn about
             return
-        problem = _unfit_reason(trainer, optimizer) if first else "the fit steps more than one optimizer"
+        problem = unfit_reason(trainer, optimizer) if first else "the fit steps more than one optimizer"
         if problem is not None:
             self._turn_off(f"optimizer_not_graphed: {problem}")
             self.optimizers.restore()
@@ -289,67 +294,3 @@ class OptimizerGraph:
         finally:
             self._params, self._has_grad = [], []
             self.optimizers.restore()
-
-
-@contextlib.contextmanager
-def optimizer_step_replaced(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Iterator[None]:
-    """``optimizer.step`` is ``step`` inside the block; on every exit it is what it was (the class's, or the user's).
-
-    Example:
-        >>> model = torch.nn.Linear(2, 2)
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> with optimizer_step_replaced(optimizer, lambda closure=None: "replayed"):
-        ...     inside = optimizer.step()
-        >>> inside, "step" in vars(optimizer)
-        ('replayed', False)
-    """
-    own = vars(optimizer)  # an instance attribute shadows the class's step; the class is left alone
-    had, previous = "step" in own, own.get("step")
-    own["step"] = step
-    try:
-        yield
-    finally:
-        if had:
-            own["step"] = previous
-        else:
-            own.pop("step", None)
-
-
-def _eager_update(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
-    """The optimizer's own update, without a closure (the user's ``step`` when they set one on the instance)."""
-    own = vars(optimizer).get("step")
-    if own is not None:
-        return lambda: own()
-    return lambda: type(optimizer).step(optimizer)
-
-
-def _setting_moved(problem: str) -> str:
-    """``StepOptimizers.settings_problem`` 's reason, said of the optimizer graph."""
-    change = problem.partition(" after the whole step")[0]
-    return (
-        f"{change} after the optimizer graph was captured; a graph replays the optimizer with the settings it was"
-        " captured with (only lr is read from the device). Fix: keep it fixed (OneCycleLR/CyclicLR("
-        "cycle_momentum=False)), or train through CUDAGraphCallback alone, whose optimizer step runs eagerly"
-    )
-
-
-def _state_error(moving: list[tuple[Tensor, Tensor]], graph_state: list[Tensor]) -> Tensor:
-    """Largest relative difference between the graph's and the eager update's optimizer state (no host sync)."""
-    errors = []
-    for (eager, before), graphed in zip(moving, graph_state, strict=True):
-        if not eager.is_floating_point() or not eager.numel():
-            continue
-        now, start = eager.detach().float(), before.float()
-        scale = (now - start).norm().clamp_min(1e-7 * start.norm() + 1e-12)
-        errors.append((graphed.float() - now).norm().to(now.device) / scale)
-    if not errors:
-        return torch.zeros((), device=moving[0][0].device if moving else None)
-    return torch.stack([e.to(errors[0].device) for e in errors]).max()
-
-
-def _unfit_reason(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> str | None:
-    """Why this optimizer step cannot be a graph of its own (:func:`unfit_optimizer`), or ``None``."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
-    automatic = trainer.lightning_module.automatic_optimization
-    unfit = unfit_optimizer(optimizer, automatic=automatic, grad_scaler=scaler, whole_step=False)
-    return None if unfit is None else unfit.what
