@@ -6,6 +6,7 @@ Importing the package registers the strategy names ``cudagraph``, ``cudagraph_at
 
 from importlib.metadata import PackageNotFoundError, version
 
+from lightning_cudagraph._trust.failure import GraphFailure
 from lightning_cudagraph.bucketing import PadToBucket
 from lightning_cudagraph.callback import CUDAGraphCallback
 from lightning_cudagraph.health import CUDAGraphReport, Stage
@@ -21,6 +22,7 @@ __all__ = [
     "CUDAGraphReport",
     "CUDAGraphStrategy",
     "DDPCUDAGraphStrategy",
+    "GraphFailure",
     "PadToBucket",
     "Stage",
     "__version__",

@@ -14,7 +14,16 @@ __all__ = ["FailurePolicy", "GraphFailure"]
 
 
 class GraphFailure(RuntimeError):
-    """A capture or check of a graph failed and the options asked to stop (``on_failure="raise"``)."""
+    """A capture or check of a graph failed and the options asked to stop (``on_failure="raise"``).
+
+    Its message names the component and the reason, as the warning of ``on_failure="eager"`` would. The graphs are
+    released as on any early exit of a fit.
+
+    Example:
+        >>> import lightning_cudagraph
+        >>> issubclass(lightning_cudagraph.GraphFailure, RuntimeError)
+        True
+    """
 
 
 class FailurePolicy:
