@@ -696,6 +696,45 @@ MUTATIONS: list[Mutation] = [
         "scope='auto' settled on the whole step goes eager for the rest of the fit when an epoch changes the step",
         P + "test_auto_settled_on_the_whole_step_goes_down_a_level_when_an_epoch_changes_the_steps_python",
     ),
+    # ------------------------------------------------------------------ the one lifecycle: failure, tolerance, rules
+    m(
+        "_trust/failure.py",
+        '        return self.on_failure == "raise" and not self.auto_scope',
+        '        return self.on_failure == "raise"',
+        "under scope='auto' with on_failure='raise', one failed region raises instead of leaving the ladder to narrow",
+        "tests/test_failure_and_tolerance.py::"
+        "test_a_failed_part_stops_graphs_only_when_the_user_fixed_the_scope_and_asked_to_raise",
+    ),
+    m(
+        "_trust/tolerance.py",
+        '    return STEP_TOL["full" if full_precision(precision) else "reduced"]',
+        '    return STEP_TOL["reduced"]',
+        "fp32 whole steps checked at the autocast tolerance (50x looser)",
+        "tests/test_failure_and_tolerance.py::test_full_precision_is_checked_tighter_than_reduced_precision",
+    ),
+    m(
+        "_trust/evidence.py",
+        "    return max(errors) if math.isnan(previous) else max(previous, *errors)",
+        "    return max(errors)",
+        "the reported parity error forgets the worst check so far",
+        "lightning_cudagraph/_trust/evidence.py::lightning_cudagraph._trust.evidence.largest_so_far",
+    ),
+    m(
+        "_backend/optimizers.py",
+        "    if hooks is not None and not whole_step:",
+        "    if False:",
+        "the optimizer graph captures an optimizer whose step hooks a replay would never run",
+        "tests/test_capturable_optimizer.py::"
+        "test_an_optimizer_step_hook_keeps_the_optimizer_graph_eager_and_is_the_step_pythons_for_the_whole_step",
+    ),
+    m(
+        "_rollout/step_python.py",
+        "        known = known_cause(module) if not (seen.skipped or seen.random or seen.reads) else None",
+        "        known = None",
+        "eager MoE experts whose operations follow the routing are reported without the experts or the fix",
+        "tests/test_capture_hints.py::"
+        "test_eager_moe_experts_whose_operations_follow_the_routing_name_the_experts_and_the_fix",
+    ),
 ]
 
 

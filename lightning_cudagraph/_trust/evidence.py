@@ -20,8 +20,8 @@ def largest_so_far(previous: float, *errors: float) -> float:
     """The largest difference from eager seen so far: ``previous`` (NaN before any check) and ``errors``.
 
     Example:
-        >>> largest_so_far(float("nan"), 0.5), largest_so_far(0.5, 0.25, 0.75)
-        (0.5, 0.75)
+        >>> largest_so_far(float("nan"), 0.5), largest_so_far(0.5, 0.25), largest_so_far(0.5, 0.25, 0.75)
+        (0.5, 0.5, 0.75)
     """
     return max(errors) if math.isnan(previous) else max(previous, *errors)
 
