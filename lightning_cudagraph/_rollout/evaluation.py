@@ -39,6 +39,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._backend.local import tensor_addresses
 from lightning_cudagraph._graphs.eval_regions import EvalRegionGraphs
 from lightning_cudagraph._graphs.eval_step import EvalStepGraphs
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
@@ -106,7 +107,7 @@ class EvaluationGraphs:
         self._backend: CaptureBackend | None = None
         self._standalone = False
         self._said: set[str] = set()
-        self._addresses: tuple[int, ...] = ()
+        self._addresses: dict[str, int] = {}
 
     # ------------------------------------------------------------------ a loop's start and end
     def loop_start(
@@ -126,7 +127,7 @@ class EvaluationGraphs:
                 rank_zero_info(f"{self.component}: {hook or 'evaluation'} runs eagerly: {reason}")
             return
         assert backend is not None
-        addresses = _addresses(trainer.lightning_module)
+        addresses = tensor_addresses(trainer.lightning_module)
         if self._backend is not backend or addresses != self._addresses:
             # A new fit, a loop outside one, or parameters and buffers rebound since the graphs were captured
             # (``p.data = ...``, a ``.to()``): graphs that read the old tensors go, and are captured again.
@@ -240,13 +241,8 @@ class EvaluationGraphs:
             if self.steps is not None:
                 self.steps.release()
             self.steps = self.regions = None
-            self._backend, self._standalone, self._addresses = None, False, ()
+            self._backend, self._standalone, self._addresses = None, False, {}
             self.mode = EAGER
             self.record.graphs = 0
             if held:
                 self.record.releases += 1
-
-
-def _addresses(module: torch.nn.Module) -> tuple[int, ...]:
-    """Where every parameter and buffer lives now (host-side pointers: read once per loop, no device sync)."""
-    return tuple(t.data_ptr() for t in (*module.parameters(), *module.buffers()))
