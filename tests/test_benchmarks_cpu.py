@@ -341,3 +341,14 @@ def test_run_writes_its_record_and_results_page(tmp_path, monkeypatch, capsys):
     page = (tmp_path / "RESULTS.md").read_text()
     assert cells(page, '`scope=["layer"]`')[1:3] == ["4.02", "2.49x"], "the README table of the run"
     assert (tmp_path / "bars_small_32-true.png").exists()
+
+
+def test_the_optimizer_arithmetic_figures_start_from_a_zero_noise_floor(capsys):
+    from benchmarks import optimizer_arithmetic
+
+    assert optimizer_arithmetic.main(["--steps", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    figures = {line.rsplit(": ", 1)[0].strip(): float(line.rsplit(": ", 1)[1]) for line in lines[1:]}
+    assert list(figures) == [label for label, _, _ in optimizer_arithmetic.FORMS]
+    assert figures["default AdamW (foreach), again"] == 0.0, "the same kernels twice train the same"
+    assert figures["the package's form of the default AdamW (fused, tensor lr)"] > 0.0, "other kernels round otherwise"
