@@ -648,9 +648,9 @@ MUTATIONS: list[Mutation] = [
         P + "test_per_step_python_never_trains_off_eager",
     ),
     m(
-        "_graphs/whole_step.py",
-        "        if step_loss(whole.output) is None:",
-        "        if False:",
+        "_graphs/step_capture.py",
+        "    if step_loss(whole.output) is None:",
+        "    if False:",
         "a whole step captured on a skipped batch replays a step that trains nothing, reported as replaying",
         P + "test_a_whole_step_captured_on_a_skipped_batch_is_refused_at_capture",
     ),

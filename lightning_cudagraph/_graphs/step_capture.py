@@ -9,14 +9,17 @@ attributes, generators) is put back, so the step can run again eagerly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._graphs.accumulation import GradientBinding, Position
 from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph._lightning import step_loss
+from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph._trust.capture_hints import capture_failure
 from lightning_cudagraph._trust.evidence import MetricUpdates
+from lightning_cudagraph._trust.observation import SKIP_FIX
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
 
@@ -108,4 +111,38 @@ def metric_in_graph(updated: list[str], failure: str = "") -> str:
         f"metric_in_graph: torchmetrics metric(s) {updated} are updated inside the captured training_step{failure};"
         " a replay would not count their updates. Fix: update them in on_train_batch_end from the step's outputs,"
         " or use a scoped capture (scope=['layer'])"
+    )
+
+
+def refused_capture(whole: WholeStep, position: Position, binding: GradientBinding, step: int) -> str | None:
+    """The rollback reason of a capture that ran but cannot be trusted with the fit, or ``None``.
+
+    A step whose ``training_step`` skipped its batch holds no backward and no optimizer step. A later micro-batch of
+    an accumulation window must add into the gradients its window's first graph writes, not replace them.
+    """
+    if step_loss(whole.output) is None:
+        return (
+            f"skipped_step: training_step returned None at step {step}, the step being captured, so its graph would"
+            f" hold no backward and no optimizer step and every replay would train nothing. Fix: {SKIP_FIX}"
+        )
+    if not position.place.zeroes and not binding.verify():
+        return (
+            f"accumulation_rebound: capturing {position.describe()} replaced parameters' .grad tensors instead of"
+            " adding into them, so the window's graphs would not share gradients. Fix: do not assign .grad in"
+            " training_step or backward hooks, or pass accumulate_grad_batches=1 with a larger batch"
+        )
+    return None
+
+
+def every_batch_another_key(sightings: Mapping[Any, int]) -> str | None:
+    """Why no whole step was captured when every batch seen had a key of its own (seen once each), or ``None``."""
+    if len(sightings) < 2 or max(sightings.values()) > 1:
+        return None
+    keys = list(sightings)
+    return (
+        f"every batch had another signature ({len(keys)} batches, e.g. {describe_batch_key(keys[0])} then"
+        f" {describe_batch_key(keys[1])}), so no batch shape ran the eager steps before its capture. A whole step"
+        " bakes the batch's non-tensor values in (a string, a number), so they are part of its key. Fix: keep"
+        " per-batch values that change out of the batch (drop them in the collate function), or pad tensors to a"
+        " few shapes (lightning_cudagraph.bucketing.PadToBucket)"
     )

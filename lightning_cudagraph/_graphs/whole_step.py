@@ -22,7 +22,12 @@ from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._backend.compiling import CompiledModules, called_modules
 from lightning_cudagraph._graphs.accumulation import GradientBinding, Position
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
-from lightning_cudagraph._graphs.step_capture import StepCapture, metric_in_graph
+from lightning_cudagraph._graphs.step_capture import (
+    StepCapture,
+    every_batch_another_key,
+    metric_in_graph,
+    refused_capture,
+)
 from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_pieces import (
     CaptureStep,
@@ -34,11 +39,10 @@ from lightning_cudagraph._graphs.step_pieces import (
     WholeStep,
 )
 from lightning_cudagraph._graphs.step_replay import StepReplays, run_eagerly
-from lightning_cudagraph._lightning import accumulating, step_loss
+from lightning_cudagraph._lightning import accumulating
 from lightning_cudagraph._options.batches import batch_key, describe_batch_key, opaque_reason, own_copy
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._trust.evidence import StateWatch
-from lightning_cudagraph._trust.observation import SKIP_FIX
 from lightning_cudagraph._trust.shadow import precision_state
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.shape_change import ShapeAction, ShapeDecision
@@ -237,21 +241,12 @@ class WholeStepDriver(Driver):
         if metrics is None:
             self.binding.forget()
             return False
-        if step_loss(whole.output) is None:  # training_step skipped this batch: no backward, no optimizer step
+        refusal = refused_capture(whole, plan.position, self.binding, module.trainer.global_step)
+        if refusal is not None:
             whole.reset()
             before.restore()
             self.binding.forget()
-            self.machine.rollback(skipped_at_capture(module.trainer.global_step))
-            return False
-        # A first micro-batch's graph writes gradient tensors of its own; a later one adds into its window's.
-        if not plan.position.place.zeroes and not self.binding.verify():
-            whole.reset()
-            before.restore()
-            self.machine.rollback(
-                f"accumulation_rebound: capturing {plan.position.describe()} replaced parameters' .grad tensors"
-                " instead of adding into them, so the window's graphs would not share gradients. Fix: do not assign"
-                " .grad in training_step or backward hooks, or pass accumulate_grad_batches=1 with a larger batch"
-            )
+            self.machine.rollback(refusal)
             return False
         whole.grads = self.binding.gradients() if plan.position.place.zeroes else self.binding.bound
         plan.window.parts[plan.position] = whole
@@ -278,16 +273,7 @@ class WholeStepDriver(Driver):
 
     def why_not_captured(self) -> str | None:
         """Every batch had a signature of its own: a value that changes per batch is part of the whole step's key."""
-        if self.captured_any or len(self._sightings) < 2 or max(self._sightings.values()) > 1:
-            return None
-        keys = list(self._sightings)
-        return (
-            f"every batch had another signature ({len(keys)} batches, e.g. {describe_batch_key(keys[0])} then"
-            f" {describe_batch_key(keys[1])}), so no batch shape ran the eager steps before its capture. A whole step"
-            " bakes the batch's non-tensor values in (a string, a number), so they are part of its key. Fix: keep"
-            " per-batch values that change out of the batch (drop them in the collate function), or pad tensors to a"
-            " few shapes (lightning_cudagraph.bucketing.PadToBucket)"
-        )
+        return None if self.captured_any else every_batch_another_key(self._sightings)
 
     def graph_count(self) -> int:
         """Captured step graphs, every batch shape and place in the window."""
@@ -350,11 +336,3 @@ class WholeStepDriver(Driver):
             if self.compiled is not None:
                 self.compiled.restore()
             self.optimizers.restore()
-
-
-def skipped_at_capture(step: int) -> str:
-    """The rollback reason of a whole step captured on a batch that ``training_step`` skipped."""
-    return (
-        f"skipped_step: training_step returned None at step {step}, the step being captured, so its graph would hold"
-        f" no backward and no optimizer step and every replay would train nothing. Fix: {SKIP_FIX}"
-    )
