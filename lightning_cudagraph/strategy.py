@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
 from typing_extensions import override
 
+from lightning_cudagraph._backend.capture import warn_on_grad_stream_mismatch
 from lightning_cudagraph._lightning import single_device_root
 from lightning_cudagraph._options.errors import config_error
 from lightning_cudagraph._options.keywords import checks_keywords, config_from
@@ -254,7 +255,7 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        _warn_on_grad_stream_mismatch(True)  # torch's default (it has no getter to read the previous value)
+        warn_on_grad_stream_mismatch(True)  # torch's default (it has no getter to read the previous value)
 
     @override
     def configure_ddp(self) -> None:
@@ -262,15 +263,10 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         if self.root_device.type != "cuda" or backend is None or backend.stream is None:
             super().configure_ddp()
             return
-        _warn_on_grad_stream_mismatch(False)  # DDP keeps eager steps' autograd nodes alive: expected, not a bug
+        warn_on_grad_stream_mismatch(False)  # DDP keeps eager steps' autograd nodes alive: expected, not a bug
         # Built on the stream training and capture run on, so DDP's retained autograd nodes never name another one.
         with torch.cuda.stream(backend.stream):
             super().configure_ddp()
-
-
-def _warn_on_grad_stream_mismatch(enabled: bool) -> None:
-    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
-        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
 
 
 #: Registered name: (class, options, description).

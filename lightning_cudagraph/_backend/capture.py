@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["gc_frozen", "graph_capture"]
+__all__ = ["gc_frozen", "graph_capture", "warn_on_grad_stream_mismatch"]
 
 #: The capture path before 0.x's faster capture (a full collection before a pass, a device sync after its warmups,
 #: three warmup iterations per region): kept reachable for the benchmark that measures the difference.
@@ -71,3 +71,12 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
         graph.reset()
         raise
     graph.capture_end()
+
+
+def warn_on_grad_stream_mismatch(enabled: bool) -> None:
+    """Turn autograd's warning about gradients accumulated on another stream on or off (where torch has it).
+
+    DDP on the graphs' side stream keeps eager steps' autograd nodes alive, which that warning reports as a mismatch.
+    """
+    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
