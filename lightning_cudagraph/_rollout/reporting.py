@@ -1,7 +1,8 @@
-"""How the report reaches the user during a fit: Lightning's logged metrics, the loggers, the progress bar.
+"""How the report reaches the user during a fit: logged metrics, loggers, the progress bar, the last reason.
 
-The metrics go through Lightning's own ``log_dict`` once per log interval, so they share the rows of the user's
-metrics and appear in ``trainer.logged_metrics``; the stage is shown by name in the progress bar.
+The reason is that of a fit that ended before its graphs replayed. The metrics go through Lightning's own ``log_dict``
+once per log interval, so they share the rows of the user's metrics and appear in ``trainer.logged_metrics``; the stage
+is shown by name in the progress bar.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-__all__ = ["ProgressBarItems", "log_through_lightning", "log_to_loggers"]
+from lightning_cudagraph._graphs.base import Driver
+from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph.health import CUDAGraphReport, Stage
+
+__all__ = ["ProgressBarItems", "log_through_lightning", "log_to_loggers", "why_not_engaged"]
 
 
 def log_through_lightning(module: pl.LightningModule, metrics: dict[str, float]) -> None:
@@ -107,3 +112,31 @@ def _unwrap(bar: Any) -> None:
         del bar.get_metrics
     else:
         bar.get_metrics = wrapper.replaced
+
+
+def why_not_engaged(
+    report: CUDAGraphReport, stage: Stage, steps: int, driver: Driver | None, config: CUDAGraphConfig
+) -> str:
+    """Why a fit that ends after ``steps`` optimizer steps, in ``stage``, never replayed graphs in steady state."""
+    level = f" at level {report.level!r}" if report.level else ""
+    if stage == Stage.CONFIRMING:
+        return (
+            f"the fit ended during replay confirmation{level} after {steps} optimizer step(s); the graphs were"
+            f" never trusted (confirm_steps={config.confirm_steps}: raise max_steps)"
+        )
+    eager = driver.settings.first_eager_steps if driver is not None else config.warmup_steps
+    if steps <= eager:
+        return (
+            f"the fit ended after {steps} optimizer step(s), within the {eager} eager warmup step(s) before"
+            f" capture{level} (raise max_steps or lower warmup_steps)"
+        )
+    unkeyed = driver.why_not_captured() if driver is not None else None
+    if unkeyed is not None:
+        return unkeyed
+    if report.captures:
+        running = f"level {report.level!r}" if report.level else "a level"
+        return (
+            f"the fit ended after {steps} optimizer step(s) while {running} ran its eager steps before its"
+            f" capture; {report.captures} capture(s) of other levels came before (raise max_steps)"
+        )
+    return f"no graph was captured{level} in {steps} optimizer step(s) (the targets did not run in a training step)"

@@ -1,11 +1,9 @@
 """The staged rollout of one fit: preflight and the plan of its levels, then the level runner, timing and logging.
 
-The callback and the strategy report Lightning events here; where the fit is lives in the stage machine
-(:mod:`lightning_cudagraph._trust.stages`); which level runs, and its driver, in the level runner
-(:mod:`lightning_cudagraph._rollout.climb`, with the drivers built by :mod:`lightning_cudagraph._rollout.factory`);
-capture mechanics in a driver (:mod:`lightning_cudagraph._graphs`) that uses a capture backend
-(:mod:`lightning_cudagraph._backend.backend`); the report in :mod:`lightning_cudagraph.health`. The README's seven
-stages map onto the code as follows: 1 preflight (:meth:`Rollout.setup`, :meth:`Rollout.fit_start`), 2 eager
+The callback and the strategy report Lightning events here. The stage machine (:mod:`~lightning_cudagraph._trust.
+stages`) knows where the fit is; the level runner (:mod:`~lightning_cudagraph._rollout.climb`) which level runs, with
+the drivers (:mod:`~lightning_cudagraph._graphs`) that :mod:`~lightning_cudagraph._rollout.factory` builds over a
+capture backend. The README's seven stages: 1 preflight (:meth:`Rollout.setup`, :meth:`Rollout.fit_start`), 2 eager
 stabilization, 3 fixed shapes, 4 capture, 5 replay confirmation and 6 replay (the drivers), 7 release
 (:meth:`Rollout.release`). A fixed scope is a one-level ladder: every fit runs through the same runner.
 """
@@ -30,6 +28,7 @@ from lightning_cudagraph._rollout.climb import Climb
 from lightning_cudagraph._rollout.evaluation import EvaluationGraphs, TrainedLevel
 from lightning_cudagraph._rollout.factory import DriverFactory
 from lightning_cudagraph._rollout.fit_log import FitLog
+from lightning_cudagraph._rollout.reporting import why_not_engaged
 from lightning_cudagraph._rollout.step_python import StepPython
 from lightning_cudagraph._trust.agreement import RankAgreement
 from lightning_cudagraph._trust.failure import FailurePolicy
@@ -263,36 +262,11 @@ class Rollout:
     def train_end(self, trainer: pl.Trainer) -> None:
         """The fit ended: say why if graphs never reached replay, send the last metrics, release."""
         if self.active and self.stage in (Stage.WARMUP, Stage.CONFIRMING):
-            self.machine.disable("not_engaged", detail=self._why_not_engaged(trainer))
-            self.report.reason = f"not_engaged: {self._why_not_engaged(trainer)}"
+            why = why_not_engaged(self.report, self.stage, trainer.global_step, self.driver, self.config)
+            self.machine.disable("not_engaged", detail=why)
+            self.report.reason = f"not_engaged: {why}"
         self.log.flush(trainer, self.climb)
         self.release()
-
-    def _why_not_engaged(self, trainer: pl.Trainer) -> str:
-        """Why a fit that ends now never replayed graphs in steady state."""
-        steps, level = trainer.global_step, f" at level {self.report.level!r}" if self.report.level else ""
-        if self.stage == Stage.CONFIRMING:
-            return (
-                f"the fit ended during replay confirmation{level} after {steps} optimizer step(s); the graphs were"
-                f" never trusted (confirm_steps={self.config.confirm_steps}: raise max_steps)"
-            )
-        driver = self.driver
-        eager = driver.settings.first_eager_steps if driver is not None else self.config.warmup_steps
-        if steps <= eager:
-            return (
-                f"the fit ended after {steps} optimizer step(s), within the {eager} eager warmup step(s) before"
-                f" capture{level} (raise max_steps or lower warmup_steps)"
-            )
-        unkeyed = driver.why_not_captured() if driver is not None else None
-        if unkeyed is not None:
-            return unkeyed
-        if self.report.captures:
-            running = f"level {self.report.level!r}" if self.report.level else "a level"
-            return (
-                f"the fit ended after {steps} optimizer step(s) while {running} ran its eager steps before its"
-                f" capture; {self.report.captures} capture(s) of other levels came before (raise max_steps)"
-            )
-        return f"no graph was captured{level} in {steps} optimizer step(s) (the targets did not run in a training step)"
 
     def release(self) -> None:
         """Free every graph and restore everything patched (idempotent; called on every exit path)."""
