@@ -15,14 +15,19 @@ CPU = {"accelerator": "cpu", "devices": 1}
 FIX = "set_experts_implementation('grouped_mm')"
 
 
-def test_the_whole_step_on_eager_moe_experts_names_them_and_the_fix():
+def whole_step_on_eager_experts(warmup_steps: int, warning: str) -> str:
+    """A Qwen3-MoE with eager experts through the whole step, two steps past its warmup; the report's reason."""
     model, data = hf_causal_lm("qwen3_moe")
     model.model.set_experts_implementation("eager")
-    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=2)
+    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=warmup_steps)
     strategy.capture_backend = FakeBackend()
-    with pytest.warns(UserWarning, match="capture_failed"):
-        trainer(4, strategy=strategy, **CPU).fit(model, data)
-    reason = graph_callback(model.trainer).report.reason
+    with pytest.warns(UserWarning, match=warning):
+        trainer(warmup_steps + 2, strategy=strategy, **CPU).fit(model, data)
+    return graph_callback(model.trainer).report.reason
+
+
+def test_the_whole_step_on_eager_moe_experts_names_them_and_the_fix():
+    reason = whole_step_on_eager_experts(warmup_steps=2, warning="capture_failed")
     assert FIX in reason and "model.model.layers.0.mlp.experts" in reason, reason
 
 
@@ -38,13 +43,7 @@ def test_a_layer_holding_eager_moe_experts_is_left_eager_with_the_fix():
 
 def test_eager_moe_experts_whose_operations_follow_the_routing_name_the_experts_and_the_fix():
     """Observed steps route other token counts to the experts: the whole step is left out for that, with the fix."""
-    model, data = hf_causal_lm("qwen3_moe")
-    model.model.set_experts_implementation("eager")
-    strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=3)
-    strategy.capture_backend = FakeBackend()
-    with pytest.warns(UserWarning, match="step_python"):
-        trainer(5, strategy=strategy, **CPU).fit(model, data)
-    reason = graph_callback(model.trainer).report.reason
+    reason = whole_step_on_eager_experts(warmup_steps=3, warning="step_python")
     assert reason.startswith("rollback: step_python: training_step launched other operations"), reason
     assert "model.model.layers.0.mlp.experts runs Hugging Face's eager MoE experts" in reason, reason
     assert reason.endswith(f"Fix: model.{FIX} (or 'batched_mm') before the fit: both route on the device"), reason
