@@ -315,3 +315,30 @@ def test_bf16_mixed_with_clipping_replays_the_update():
 def test_optimizer_graph_must_be_a_bool():
     with pytest.raises(ValueError, match=r"optimizer_graph.*True or False"):
         CUDAGraphStrategy(scope=["layer"], optimizer_graph="off")
+
+
+SKIPPED = "skipped_step: training_step returned None, so the update runs eagerly"
+
+
+class _SkipsEveryThird(DecoderModule):
+    """``training_step`` returns ``None`` on every third batch (Lightning's way to skip one), the capture's included."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 3 == WARMUP else loss
+
+
+def test_a_skipped_batch_runs_the_optimizer_step_as_eager_does_and_the_graph_serves_the_other_steps():
+    eager, data = decoder(TINY, module=_SkipsEveryThird)
+    skipping, _ = decoder(TINY, module=_SkipsEveryThird)
+    backend = FakeBackend()
+    trainer(STEPS + 4, **CPU).fit(eager, data)
+    trainer(STEPS + 4, strategy=scoped(backend), **CPU).fit(skipping, data)
+
+    report = graph_callback(skipping.trainer).report
+    assert report.stage == Stage.REPLAYING and report.rollbacks == 0
+    assert report.optimizer_graph == "replaying" and report.optimizer_replays > 0
+    assert report.fallback_reasons[SKIPPED] > 0
+    params = {name: p.detach().clone() for name, p in skipping.named_parameters()}
+    assert max_param_diff({n: p.detach() for n, p in eager.named_parameters()}, params) < TOL
+    assert_optimizer_given_back(skipping, backend)

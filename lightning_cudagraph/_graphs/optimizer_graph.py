@@ -102,6 +102,10 @@ class OptimizerGraph:
         def step(closure: Callable[[], Any] | None = None) -> Any:
             with torch.enable_grad():
                 loss = closure() if closure is not None else None
+            if closure is not None and loss is None:  # training_step skipped the batch: no gradient to update with
+                self.report.count_fallback("skipped_step: training_step returned None, so the update runs eagerly")
+                eager_update()
+                return loss
             self._update(module, optimizer, eager_update)
             return loss
 
