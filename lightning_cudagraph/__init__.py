@@ -1,7 +1,8 @@
 """CUDA graphs for PyTorch Lightning training, rolled out in safe stages.
 
 Importing the package registers the strategy names ``cudagraph``, ``cudagraph_attn``, ``cudagraph_mlp``,
-``cudagraph_attn_mlp``, ``cudagraph_layer``, ``cudagraph_full``, ``ddp_cudagraph`` and ``ddp_cudagraph_full``.
+``cudagraph_attn_mlp``, ``cudagraph_layer``, ``cudagraph_full``, ``ddp_cudagraph``, ``ddp_cudagraph_full``,
+``fsdp2_cudagraph`` and ``fsdp2_cudagraph_full``.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -10,6 +11,7 @@ from lightning_cudagraph._trust.failure import GraphFailure
 from lightning_cudagraph.bucketing import PadToBucket
 from lightning_cudagraph.callback import CUDAGraphCallback
 from lightning_cudagraph.health import CUDAGraphReport, Stage
+from lightning_cudagraph.model_parallel import ModelParallelCUDAGraphStrategy
 from lightning_cudagraph.strategy import CUDAGraphStrategy, DDPCUDAGraphStrategy
 
 try:
@@ -23,6 +25,7 @@ __all__ = [
     "CUDAGraphStrategy",
     "DDPCUDAGraphStrategy",
     "GraphFailure",
+    "ModelParallelCUDAGraphStrategy",
     "PadToBucket",
     "Stage",
     "__version__",

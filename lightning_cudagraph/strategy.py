@@ -20,6 +20,7 @@ from lightning_cudagraph._lightning import single_device_root
 from lightning_cudagraph._options.errors import config_error
 from lightning_cudagraph._options.keywords import checks_keywords, config_from
 from lightning_cudagraph._rollout.preflight import check_ddp_warmup
+from lightning_cudagraph.model_parallel import ModelParallelCUDAGraphStrategy
 from lightning_cudagraph.strategy_base import CUDAGraphStrategyBase
 
 __all__ = ["CUDAGraphStrategy", "DDPCUDAGraphStrategy", "register_strategies"]
@@ -286,6 +287,16 @@ _REGISTERED: dict[str, tuple[type[Strategy], dict[str, Any], str]] = {
         DDPCUDAGraphStrategy,
         {"scope": ["full_iteration"], "warmup_steps": 11},
         "DDP with the whole training step as one CUDA graph",
+    ),
+    "fsdp2_cudagraph": (
+        ModelParallelCUDAGraphStrategy,
+        {"tensor_parallel_size": 1},
+        "FSDP2 (fully_shard in configure_model) with the whole step as one CUDA graph where it is faster",
+    ),
+    "fsdp2_cudagraph_full": (
+        ModelParallelCUDAGraphStrategy,
+        {"scope": ["full_iteration"], "tensor_parallel_size": 1},
+        "FSDP2 (fully_shard in configure_model) with the whole training step as one CUDA graph",
     ),
 }
 

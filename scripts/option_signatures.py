@@ -44,6 +44,7 @@ TARGETS = (
     ("lightning_cudagraph/callback.py", "CUDAGraphCallback"),
     ("lightning_cudagraph/strategy.py", "CUDAGraphStrategy"),
     ("lightning_cudagraph/strategy.py", "DDPCUDAGraphStrategy"),
+    ("lightning_cudagraph/model_parallel.py", "ModelParallelCUDAGraphStrategy"),
 )
 BEGIN = "# options: written by scripts/option_signatures.py"
 END = "# end of options"

@@ -31,13 +31,15 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``tests`` and the pa
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
-from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy  # noqa: E402
+from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy, ModelParallelCUDAGraphStrategy  # noqa: E402
 from lightning_cudagraph._rollout.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
 from tests.helpers import LEVEL_MS, LossRecorder, RebindAt, graph_callback, timed_by_level, trainer  # noqa: E402
-from tests.models import TINY, TINY_DATA, decoder  # noqa: E402
+from tests.models import TINY, TINY_DATA, DecoderModule, decoder  # noqa: E402
 
 #: A collective that waits longer than this raises instead of hanging (the test's own timeout is the last resort).
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
@@ -86,6 +88,9 @@ class Case:
         callbacks: Rank -> a callable making extra callbacks of the graphed fit on that rank.
         log_every_n_steps: The Trainer's log interval (the package's health checks run on it).
         accumulate: ``accumulate_grad_batches`` of both fits.
+        sharded: FSDP2: the model applies ``fully_shard`` to each block and to itself in ``configure_model``, the
+            graphed fit runs :class:`~lightning_cudagraph.ModelParallelCUDAGraphStrategy` and the reference Lightning's
+            ``ModelParallelStrategy``.
     """
 
     options: dict[str, Any]
@@ -94,6 +99,7 @@ class Case:
     callbacks: dict[int, Callable[[], list[Any]]] = field(default_factory=dict)
     log_every_n_steps: int = 50
     accumulate: int = 1
+    sharded: bool = False
 
 
 def _fails_on_rank_1(**rank_1: Any) -> dict[int, Callable[[], dict[str, Any]]]:
@@ -141,6 +147,15 @@ CASES: dict[str, Case] = {
     ),
     # The whole step with two micro-batches per optimizer step: each replays a graph; the first one under no_sync.
     "full_step_accumulates": Case({"scope": ["full_iteration"], "warmup_steps": 11}, max_steps=16, accumulate=2),
+    # FSDP2: the whole step with its all-gathers and reduce-scatters inside the graph.
+    "fsdp2_full": Case({"scope": ["full_iteration"], "warmup_steps": WARMUP}, max_steps=10, sharded=True),
+    # FSDP2: the whole step's capture fails on rank 1, after the step's collectives.
+    "fsdp2_full_fails": Case(
+        {"scope": ["full_iteration"], "warmup_steps": WARMUP},
+        _fails_on_rank_1(fail_step_late=RuntimeError("injected: whole-step capture failed on rank 1")),
+        max_steps=10,
+        sharded=True,
+    ),
     # Not run by the tests: FakeBackend's own ``fail_step`` on rank 1. Rank 0's fake capture runs the step and its
     # gradient all-reduce, rank 1 raises before it and goes to the capture agreement: the collectives pair up wrongly
     # and gloo times out (see LateStepFailure). Kept to reproduce that.
@@ -152,17 +167,43 @@ CASES: dict[str, Case] = {
 }
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's values on this process: FSDP2's sharded parameters gathered whole (a collective on every rank)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def fingerprint(module: torch.nn.Module) -> dict[str, Any]:
     """The final parameters, comparable across processes: a digest of their bytes, a sum and a few exact values."""
     digest = hashlib.sha256()
     total = 0.0
     for name, parameter in sorted(module.named_parameters()):
-        values = parameter.detach().float().cpu().contiguous()
+        values = _whole(parameter).float().cpu().contiguous()
         digest.update(name.encode())
         digest.update(values.numpy().tobytes())
         total += float(values.abs().sum())
-    first = module.get_parameter("model.blocks.0.attn.qkv.weight").detach().flatten()[:4].tolist()
+    first = _whole(module.get_parameter("model.blocks.0.attn.qkv.weight")).flatten()[:4].tolist()
     return {"sha256": digest.hexdigest(), "abs_sum": total, "first_values": first}
+
+
+def optimizer_fingerprint(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Each kind of optimizer state (``exp_avg``, ``step``, ...) summed over the parameters, whole."""
+    sums: dict[str, float] = {}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                sums[key] = sums.get(key, 0.0) + float(_whole(value).double().abs().sum())
+    return sums
+
+
+class ShardedDecoder(DecoderModule):
+    """The test decoder under FSDP2: each block, then the whole model, sharded over the data-parallel ranks."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
 
 def _plain(value: float) -> float | None:
@@ -170,9 +211,14 @@ def _plain(value: float) -> float | None:
 
 
 def _fit(
-    strategy: DDPStrategy, max_steps: int, callbacks: list[Any] = (), log_every_n_steps: int = 50, accumulate: int = 1
+    strategy: Strategy,
+    max_steps: int,
+    callbacks: list[Any] = (),
+    log_every_n_steps: int = 50,
+    accumulate: int = 1,
+    sharded: bool = False,
 ) -> tuple[Any, LossRecorder, torch.nn.Module]:
-    model, data = decoder(TINY, **TINY_DATA)
+    model, data = decoder(TINY, ShardedDecoder if sharded else DecoderModule, **TINY_DATA)
     losses = LossRecorder()
     run = trainer(
         max_steps,
@@ -217,14 +263,21 @@ def report_fields(report: CUDAGraphReport | None) -> dict[str, Any]:
 def run_case(name: str, rank: int) -> dict[str, Any]:
     """Fit the case on this rank (after an eager reference fit) and return what the rank reports."""
     case = CASES[name]
-    reference = DDPStrategy(process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    _, eager_losses, eager_model = _fit(reference, case.max_steps, accumulate=case.accumulate)
+    group = {"process_group_backend": "gloo", "timeout": COLLECTIVE_TIMEOUT}
+    reference: Strategy
+    strategy: DDPCUDAGraphStrategy | ModelParallelCUDAGraphStrategy
+    if case.sharded:
+        reference = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **group)
+        strategy = ModelParallelCUDAGraphStrategy(**case.options, tensor_parallel_size=1, **group)
+    else:
+        reference = DDPStrategy(**group)
+        strategy = DDPCUDAGraphStrategy(**case.options, **group)
+    eager_run, eager_losses, eager_model = _fit(reference, case.max_steps, accumulate=case.accumulate, sharded=case.sharded)
 
     backend = LateStepFailure(**case.backend.get(rank, dict)())
-    strategy = DDPCUDAGraphStrategy(**case.options, process_group_backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     strategy.capture_backend = backend
     extra = case.callbacks.get(rank, list)()
-    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps, case.accumulate)
+    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps, case.accumulate, case.sharded)
 
     return {
         "case": name,
@@ -241,6 +294,8 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
         "eager_losses": list(eager_losses.losses),
         "params": fingerprint(model),
         "eager_params": fingerprint(eager_model),
+        "optimizer_state": optimizer_fingerprint(run.optimizers[0]),
+        "eager_optimizer_state": optimizer_fingerprint(eager_run.optimizers[0]),
     }
 
 

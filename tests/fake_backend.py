@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C._distributed_c10d import Work
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from lightning_cudagraph._backend.backend import (
     CaptureBackend,
@@ -200,8 +201,20 @@ class _Op:
     outputs: list[Tensor | None]
 
 
+@dataclass
+class _Resize:
+    """A storage resized inside the step (FSDP2 frees and re-allocates unsharded parameters): a replay does it too."""
+
+    storage: torch.UntypedStorage
+    size: int
+
+
 def _storage_key(tensor: Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    return _key(tensor.untyped_storage())
+
+
+def _key(storage: torch.UntypedStorage) -> int:
+    return storage._cdata  # the storage itself, which a resize keeps (its data pointer moves)
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -218,12 +231,40 @@ class _StepRecorder(TorchDispatchMode):
     def __init__(self, host_sync_fails: bool) -> None:
         super().__init__()
         self.host_sync_fails = host_sync_fails
-        self.ops: list[_Op] = []
+        self.ops: list[_Op | _Resize] = []
         self._made: set[int] = set()  # storages the step allocated
         self._saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self._resize = torch.UntypedStorage.resize_
+        self._wait = Work.wait
+
+    def __enter__(self) -> _StepRecorder:
+        recorder, resize, wait = self, self._resize, self._wait
+
+        def recorded_resize(storage: torch.UntypedStorage, size: int) -> Any:
+            with _disable_current_modes():  # the copy kept to undo the resize is not the step's work
+                recorder._save(storage)
+            recorder.ops.append(_Resize(storage, size))
+            return resize(storage, size)
+
+        def unrecorded_wait(work: Work, *args: Any, **kwargs: Any) -> Any:
+            with _disable_current_modes():  # gloo finishes a collective with copies at wait: the collective's own
+                return wait(work, *args, **kwargs)
+
+        torch.UntypedStorage.resize_ = recorded_resize  # type: ignore[method-assign]
+        Work.wait = unrecorded_wait  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        Work.wait = self._wait  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if any(t is not Tensor and not issubclass(t, torch.nn.Parameter) for t in types):
+            # A tensor subclass (FSDP2's DTensor parameters): its own dispatch runs the operations on its local
+            # tensors, which come back here, as a CUDA capture records the kernels on the local storage.
+            return NotImplemented
         name = func._schema.name
         if name in HOST_SYNCS and self.host_sync_fails:
             raise host_sync_error(name, "the captured training step")
@@ -243,15 +284,19 @@ class _StepRecorder(TorchDispatchMode):
                 continue
             value = kwargs.get(argument.name, args[position] if position < len(args) else None)
             for tensor in _tensors(value):
-                key = _storage_key(tensor)
-                if key and key not in self._made and key not in self._saved:
-                    storage = tensor.untyped_storage()
-                    self._saved[key] = (storage, storage.clone())
+                self._save(tensor.untyped_storage())
+
+    def _save(self, storage: torch.UntypedStorage) -> None:
+        key = _key(storage)
+        if key not in self._made and key not in self._saved:
+            self._saved[key] = (storage, storage.clone())
 
     def undo_writes(self) -> None:
-        """Put back every tensor the step wrote that existed before it."""
+        """Put back every tensor the step wrote (or resized) that existed before it."""
         with torch.no_grad():
             for storage, saved in self._saved.values():
+                if storage.size() != saved.size():
+                    self._resize(storage, saved.size())
                 storage.copy_(saved)
         self._saved = {}
 
@@ -273,12 +318,15 @@ class FakeStepGraph:
         finally:
             recorder.undo_writes()  # a CUDA capture runs nothing: the first replay does the capture step's work
             torch.set_rng_state(rng)
-        self._ops: list[_Op] | None = recorder.ops
+        self._ops: list[_Op | _Resize] | None = recorder.ops
 
     def replay(self) -> None:
         self.replays += 1
         with torch.no_grad():
             for op in self._ops:
+                if isinstance(op, _Resize):
+                    op.storage.resize_(op.size)
+                    continue
                 fresh = pytree.tree_leaves(op.func(*op.args, **op.kwargs))
                 for captured, now in zip(op.outputs, fresh, strict=True):
                     if not isinstance(now, Tensor):

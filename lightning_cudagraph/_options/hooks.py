@@ -76,6 +76,23 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
             original.update(registered_meanwhile)  # hooks added during the capture are kept, after the old ones
 
 
+def _sharding(hook: object) -> bool:
+    """Whether ``hook`` is FSDP2's own (``fully_shard``): its work is the all-gather and reshard a captured step holds,
+    and its Python leaves the same state after every step."""
+    owner = getattr(hook, "__self__", None)
+    if owner is None:  # a module of several FSDP2 modules wraps its hooks in closures over its state's methods
+        cells = getattr(hook, "__closure__", None) or ()
+        owner = next((getattr(c.cell_contents, "__self__", None) for c in cells if _is_state_method(c)), None)
+    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp._fully_shard")
+
+
+def _is_state_method(cell: object) -> bool:
+    try:
+        return hasattr(cell.cell_contents, "__self__")  # type: ignore[attr-defined]
+    except ValueError:  # an empty cell
+        return False
+
+
 #: The dicts whose hooks fire; the *_with_kwargs and *_always_called dicts only flag hooks that also sit in these.
 _FIRING = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -99,7 +116,9 @@ def hooked_modules(root: nn.Module) -> list[str]:
         ['1']
     """
     names = [
-        name or "<root>" for name, module in root.named_modules() if any(getattr(module, n, None) for n in _FIRING)
+        name or "<root>"
+        for name, module in root.named_modules()
+        if any(not _sharding(hook) for n in _FIRING for hook in getattr(module, n, {}).values())
     ]
     if any(getattr(module_globals, "_global" + name, None) for name in _FIRING):
         names.append("<global module hooks>")

@@ -15,7 +15,12 @@ from lightning_cudagraph._options.activation_checkpoints import check_targets
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
 from lightning_cudagraph._options.levels import Level, Plan, build_levels, replacement_parts, scoped_targets, walk_order
 from lightning_cudagraph._options.scopes import Target, candidate_names, resolve_scopes
-from lightning_cudagraph._rollout.preflight import DDP_WHOLE_STEP_WARMUP_STEPS, check_trainer, check_whole_step_hooks
+from lightning_cudagraph._rollout.preflight import (
+    DDP_WHOLE_STEP_WARMUP_STEPS,
+    SCOPED_UNDER_FSDP2,
+    check_trainer,
+    check_whole_step_hooks,
+)
 
 __all__ = ["plan"]
 
@@ -47,11 +52,14 @@ def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Lightnin
         resolve_scopes(module, [name], config.modules, component)
     levels = []
     whole_model = None if config.impl == "local" else f"impl={config.impl!r} captures layers at most"
+    scoped = getattr(trainer.strategy, "supports_scoped_graphs", True)
     for level in build_levels(module, config.modules, _whole_step_problem(config, trainer), whole_model):
         try:
             check_targets(level.targets, "scope='auto'")
         except ValueError as error:  # activation checkpointing: this level is skipped, not the fit refused
             level = Level(level.name, unavailable=str(error))
+        if not (scoped or level.whole_step or level.unavailable):
+            level = Level(level.name, unavailable=SCOPED_UNDER_FSDP2)
         levels.append(level)
     targets = scoped_targets(levels)
     parts = replacement_parts(module, targets, config.modules) if config.impl == "local" else {}  # TE: no parts

@@ -20,7 +20,13 @@ from lightning.pytorch.plugins.precision import (
     Precision,
     TransformerEnginePrecision,
 )
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_cudagraph._backend.optimizers import unfit_optimizer
@@ -31,6 +37,7 @@ from lightning_cudagraph._options.hooks import hooked_modules
 
 __all__ = [
     "DDP_WHOLE_STEP_WARMUP_STEPS",
+    "SCOPED_UNDER_FSDP2",
     "check_ddp_warmup",
     "check_optimizers",
     "check_trainer",
@@ -41,6 +48,11 @@ __all__ = [
 
 #: Eager DDP steps NCCL needs before its all-reduce can be captured (PyTorch's CUDA-graph notes).
 DDP_WHOLE_STEP_WARMUP_STEPS = 11
+#: Why scoped levels are refused under FSDP2 (preflight for a fixed scope, the ladder's plan under ``scope="auto"``).
+SCOPED_UNDER_FSDP2 = (
+    "scoped graphs are refused under FSDP2: each region would hold its own unsharded copy of the parameters it reads,"
+    " the memory FSDP2 exists to save"
+)
 _SUPPORTED_PRECISION = (MixedPrecision, HalfPrecision, DoublePrecision, TransformerEnginePrecision)
 
 
@@ -131,8 +143,9 @@ def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: st
 
 def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
     strategy = trainer.strategy
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)) or not isinstance(
-        strategy, (SingleDeviceStrategy, DDPStrategy)
+    sharded = isinstance(strategy, ModelParallelStrategy) and getattr(strategy, "supports_full_iteration", False)
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)) or not (
+        sharded or isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
     ):
         offload = getattr(strategy, "cpu_offload", None) or "offload" in str(getattr(strategy, "config", ""))
         why = "CPU offloading moves parameters between host and device" if offload else "parameters move or reshard"
@@ -140,8 +153,10 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
             component,
             "Trainer(strategy=...)",
             Verbatim(f"{type(strategy).__name__}(...)"),
-            "a single-device or DDP strategy (e.g. 'cudagraph', 'ddp_cudagraph')",
-            f"{why} between steps, so a graph would read stale addresses; use DDP, or turn CUDA graphs off",
+            "a single-device, DDP or FSDP2 strategy (e.g. 'cudagraph', 'ddp_cudagraph', 'fsdp2_cudagraph_full')",
+            f"{why} between steps outside any graph, so a graph would read stale addresses; for sharding, apply"
+            " fully_shard in configure_model and pass strategy='fsdp2_cudagraph_full' (FSDP2, whole step), or use"
+            " DDP, or turn CUDA graphs off",
         )
     if config.full_iteration and not getattr(strategy, "supports_full_iteration", False):
         raise config_error(
@@ -152,8 +167,32 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
             "pass Trainer(strategy='cudagraph_full') (or 'ddp_cudagraph_full'): the whole-step graph needs the"
             " strategy's batch and optimizer-step hooks",
         )
+    if sharded:
+        _check_sharded(config, trainer, component)
     if isinstance(strategy, DDPStrategy):
         check_ddp_warmup(config, component)
+
+
+def _check_sharded(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+    """FSDP2: the whole step alone, one optimizer step per batch."""
+    if not config.auto_scope and not config.full_iteration:
+        raise config_error(
+            component,
+            "scope",
+            list(config.scope),
+            "['full_iteration'] or 'auto' under FSDP2",
+            f"{SCOPED_UNDER_FSDP2}; pass scope=['full_iteration'] (strategy='fsdp2_cudagraph_full')",
+        )
+    if trainer.accumulate_grad_batches > 1:
+        raise config_error(
+            component,
+            "Trainer(accumulate_grad_batches=...)",
+            trainer.accumulate_grad_batches,
+            "1 under FSDP2 with CUDA graphs",
+            "a micro-batch that only accumulates must skip FSDP2's reduce-scatter (set_requires_gradient_sync), which"
+            " a captured step cannot switch; pass accumulate_grad_batches=1 with a larger batch, or train eagerly"
+            " (impl='none')",
+        )
 
 
 def check_ddp_warmup(config: CUDAGraphConfig, component: str) -> None:
@@ -245,13 +284,14 @@ def _check_compile(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Ligh
             "inductor's CUDA graphs cannot run inside the package's graphs (graphs in graphs); compile with the default"
             " mode, or let the package compile what it captures: compile=True",
         )
-    if config.compile is not None and isinstance(trainer.strategy, DDPStrategy):
+    if config.compile is not None and not isinstance(trainer.strategy, SingleDeviceStrategy):
         raise config_error(
             component,
             "compile",
             config.compile.as_option(),
             "compile= on one device",
-            "not yet supported under DDP: dynamo's DDPOptimizer splits compiled graphs at gradient-bucket"
-            " boundaries, and compiled autograd has not been tried inside a captured step; drop compile=, or"
+            "not yet supported across devices: under DDP dynamo's DDPOptimizer splits compiled graphs at"
+            " gradient-bucket boundaries, and compiled autograd (DDP, FSDP2) has not been tried inside a captured"
+            " step; drop compile=, or"
             " compile the model yourself (default mode) and let the package capture it",
         )

@@ -192,8 +192,10 @@ class TrainingState:
 def _off_by(now: Tensor, before: Tensor, other: Tensor) -> Tensor:
     """How far ``other`` is from ``now``, relative to the step from ``before`` to ``now`` (no host sync).
 
-    The step's own size is the scale, so a small error cannot hide behind the size of the tensor itself.
+    The step's own size is the scale, so a small error cannot hide behind the size of the tensor itself. A sharded
+    tensor (FSDP2's DTensor) is weighed on this rank's shard; the ranks agree on the verdict.
     """
+    now, before, other = _shard(now), _shard(before), _shard(other)
     scale = (now - before).norm().clamp_min(1e-7 * before.norm() + 1e-12)
     return (other - now).norm() / scale
 
@@ -211,3 +213,9 @@ def _set_numpy_state(state: Any) -> None:
         import numpy
 
         numpy.random.set_state(state)
+
+
+def _shard(tensor: Tensor) -> Tensor:
+    """This rank's part of a sharded tensor (a DTensor's local tensor); any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
