@@ -690,9 +690,9 @@ MUTATIONS: list[Mutation] = [
         "tests/test_trust.py::test_audits_start_dense_after_a_capture_and_thin_out_to_the_interval",
     ),
     m(
-        "_rollout/climb.py",
-        "            return self._step_down(fit, reason)",
-        "            return False",
+        "_rollout/level_failure.py",
+        "        return _step_down(ladder, reason, component)",
+        "        return None",
         "scope='auto' settled on the whole step goes eager for the rest of the fit when an epoch changes the step",
         P + "test_auto_settled_on_the_whole_step_goes_down_a_level_when_an_epoch_changes_the_steps_python",
     ),

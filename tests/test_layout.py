@@ -54,3 +54,37 @@ def test_the_root_holds_only_the_face_and_the_shared_vocabulary():
     root = {path.stem for path in PACKAGE.glob("*.py")}
     face = {"__init__", "callback", "strategy", "strategy_base", "model_parallel", "bucketing"}
     assert root == face | SHARED, sorted(root - face - SHARED)
+
+
+#: The most lines a module may have, and the most lines of code (docstrings, comments and blank lines aside) a class.
+MODULE_LINES, CLASS_CODE_LINES = 300, 200
+
+
+def _code_lines(tree: ast.Module, source: list[str], first: int, last: int) -> int:
+    """Lines ``first..last`` (1-based, inclusive) that are code: not blank, not a comment, not in a docstring."""
+    docs = {
+        line
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+    }
+    return sum(
+        1
+        for number in range(first, last + 1)
+        if number not in docs and source[number - 1].strip() and not source[number - 1].strip().startswith("#")
+    )
+
+
+def test_no_module_is_over_300_lines_and_no_class_over_200_lines_of_code():
+    too_big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        source, tree, name = text.splitlines(), ast.parse(text), path.relative_to(PACKAGE)
+        if len(source) > MODULE_LINES:
+            too_big.append(f"{name}: {len(source)} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                code = _code_lines(tree, source, node.lineno, node.end_lineno or node.lineno)
+                if code > CLASS_CODE_LINES:
+                    too_big.append(f"{name}: class {node.name} has {code} lines of code")
+    assert not too_big, too_big

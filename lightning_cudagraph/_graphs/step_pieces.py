@@ -1,7 +1,7 @@
 """The pieces of a whole step: the plan of the next step, a captured step (static batch, output, logs), its flags.
 
-:meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.plan` makes a :data:`StepPlan` before each
-training step; :meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.run` carries it out.
+:meth:`~lightning_cudagraph._graphs.step_planner.StepPlanner.plan` makes a :data:`StepPlan` before each training
+step; :meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.run` carries it out.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The whole-step driver: ``training_step``, backward, clipping and the optimizer step as one graph.
 
-The strategy hands it the batch (``batch_to_device``: :meth:`WholeStepDriver.plan` makes a
-:data:`~lightning_cudagraph._graphs.step_pieces.StepPlan`), the output of ``training_step`` (captured output and
-in-graph non-finite check), and the step itself (``optimizer_step``: :meth:`WholeStepDriver.run` carries the plan
-out). A replayed step rebuilds Lightning's closure result and re-issues the captured ``self.log`` calls, so the loop,
-loggers, checkpointing and early stopping behave as in eager training.
+The strategy hands it the batch (``batch_to_device``: its :class:`~lightning_cudagraph._graphs.step_planner.
+StepPlanner` makes a :data:`~lightning_cudagraph._graphs.step_pieces.StepPlan`), the output of ``training_step``
+(captured output and in-graph non-finite check), and the step itself (``optimizer_step``: :meth:`WholeStepDriver.run`
+carries the plan out). A replayed step rebuilds Lightning's closure result and re-issues the captured ``self.log``
+calls, so the loop, loggers, checkpointing and early stopping behave as in eager training.
 """
 
 from __future__ import annotations
@@ -20,14 +20,9 @@ from torchmetrics import Metric
 
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._backend.compiling import CompiledModules, called_modules
-from lightning_cudagraph._graphs.accumulation import GradientBinding, Position
+from lightning_cudagraph._graphs.accumulation import GradientBinding
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
-from lightning_cudagraph._graphs.step_capture import (
-    StepCapture,
-    every_batch_another_key,
-    metric_in_graph,
-    refused_capture,
-)
+from lightning_cudagraph._graphs.step_capture import StepCapture, metric_in_graph, refused_capture
 from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_pieces import (
     CaptureStep,
@@ -36,16 +31,16 @@ from lightning_cudagraph._graphs.step_pieces import (
     ReplayStep,
     StepPlan,
     StepWindow,
-    WholeStep,
 )
+from lightning_cudagraph._graphs.step_planner import StepPlanner
 from lightning_cudagraph._graphs.step_replay import StepReplays, run_eagerly
 from lightning_cudagraph._lightning import accumulating
-from lightning_cudagraph._options.batches import batch_key, describe_batch_key, opaque_reason, own_copy
+from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._trust.evidence import StateWatch
 from lightning_cudagraph._trust.shadow import precision_state
 from lightning_cudagraph._trust.shape_cache import ShapeCache
-from lightning_cudagraph._trust.shape_change import ShapeAction, ShapeDecision
+from lightning_cudagraph._trust.shape_change import ShapeDecision
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
@@ -75,7 +70,8 @@ class WholeStepDriver(Driver):
         super().__init__(config, component, backend, machine, settings)
         self.compiled = compiled
         self.steps: ShapeCache[StepWindow] = self._shape_cache(StepWindow.reset)
-        self.shapes = ShapeDecision(config.on_shape_change, self.steps, machine, component)
+        shapes = ShapeDecision(config.on_shape_change, self.steps, machine, component)
+        self.planner = StepPlanner(machine, shapes, config.confirm_steps)
         self.optimizers = StepOptimizers(backend)
         self.flags = NonFiniteFlags(self.backend.device)
         self.capture = StepCapture(backend, machine, self.flags)
@@ -83,8 +79,6 @@ class WholeStepDriver(Driver):
         self.state = StateWatch()
         self._plan: StepPlan | None = None
         self._first: StepWindow | None = None
-        self._sightings: dict[tuple[Any, ...], int] = {}
-        self._position = Position.at(0, 1, last_batch=False)
         self.binding = GradientBinding([])
 
     def start(self, trainer: pl.Trainer) -> None:
@@ -108,60 +102,8 @@ class WholeStepDriver(Driver):
         if not self.machine.graphs_allowed or not trainer.training or trainer.sanity_checking:
             return batch
         recheck, self.eager_next = self.eager_next, None
-        if recheck is not None:
-            self._position = Position.of(trainer)
-            self._plan = EagerStep(fallback=recheck)
-            return batch
-        key = batch_key(batch, values=True)  # a graph bakes in the batch's non-tensor values too
-        in_use = self.machine.stage != Stage.WARMUP
-        if key is None:  # no key could tell this batch's graph: it runs eagerly, or graphs are off, with the reason
-            if in_use:
-                self._plan = EagerStep(fallback=f"opaque_batch: {opaque_reason(batch)}")
-            else:
-                self.machine.disable("opaque_batch", detail=opaque_reason(batch))
-            return batch
-        position = self._position = Position.of(trainer)
-        seen = self._sightings.get(key, 0)
-        outcome = self.shapes.decide(key, seen, self.eager_steps_needed())
-        if outcome.action is ShapeAction.REPLAY:
-            return self._plan_in_window(key, outcome.held, position, batch)
-        if outcome.action is ShapeAction.FALLBACK:
-            self._plan = EagerStep(fallback=outcome.reason)
-            return batch
-        if not position.place.zeroes:  # a shape's warmup and capture count windows, which start at a first micro-batch
-            if outcome.reason is not None:
-                self._plan = EagerStep(fallback=outcome.reason)
-            return batch
-        self._sightings[key] = seen + 1
-        if outcome.action is ShapeAction.EAGER:  # this shape's own eager steps
-            self._plan = EagerStep(fallback=outcome.reason)
-            return batch
-        if outcome.action is ShapeAction.WAIT:
-            return batch
-        return self._plan_capture(key, StepWindow(), position, batch, outcome.evicts)
-
-    def _plan_in_window(self, key: tuple[Any, ...], window: StepWindow, position: Position, batch: Any) -> Any:
-        """A shape with graphs: replay this position's, or capture it, or run eagerly (a window started eagerly)."""
-        part = window.parts.get(position)
-        if part is not None and (position.place.zeroes or self.binding.holds(part.grads)):
-            self._plan = ReplayStep(key, part, position)
-            return part.stage(batch)
-        first = window.first(position.accumulate)
-        if part is None and (position.place.zeroes or (first is not None and self.binding.holds(first.grads))):
-            return self._plan_capture(key, window, position, batch)
-        self._plan = EagerStep(
-            fallback=f"accumulation: {position.describe()} runs eagerly, as its window's first micro-batch did"
-        )
+        self._plan, batch = self.planner.plan(trainer, batch, self.binding, self.eager_steps_needed(), recheck)
         return batch
-
-    def _plan_capture(
-        self, key: tuple[Any, ...], window: StepWindow, position: Position, batch: Any, evicts: Any = None
-    ) -> Any:
-        # A copy of this batch becomes the static buffers of the step about to be captured: later batches are copied
-        # into it, so it must never be the user's own tensors (a dataset on the device would be overwritten).
-        whole = WholeStep(static_batch=own_copy(batch), confirm_left=self.config.confirm_steps)
-        self._plan = CaptureStep(key, whole, evicts, window, position)
-        return whole.static_batch
 
     # ------------------------------------------------------------------ carrying it out (``optimizer_step``)
     def run(
@@ -252,7 +194,7 @@ class WholeStepDriver(Driver):
         plan.window.parts[plan.position] = whole
         if plan.key not in self.steps:
             self.steps.add(plan.key, plan.window)
-        self._sightings.pop(plan.key, None)
+        self.planner.captured(plan.key)
         if not self.count_capture(started, self.graph_count(), undo=before.restore):
             return False
         updated = metrics.changed()
@@ -273,7 +215,7 @@ class WholeStepDriver(Driver):
 
     def why_not_captured(self) -> str | None:
         """Every batch had a signature of its own: a value that changes per batch is part of the whole step's key."""
-        return None if self.captured_any else every_batch_another_key(self._sightings)
+        return None if self.captured_any else self.planner.why_not_captured()
 
     def graph_count(self) -> int:
         """Captured step graphs, every batch shape and place in the window."""
@@ -304,7 +246,7 @@ class WholeStepDriver(Driver):
             self.compiled.active = False
         if not self.machine.graphs_allowed:
             return
-        window, accumulate = self._first, self._position.accumulate
+        window, accumulate = self._first, self.planner.position.accumulate
         if self.machine.stage == Stage.CONFIRMING and window is not None and window.confirmed(accumulate):
             count, first = self.flags.read_and_clear()  # the decision's one host sync
             self.machine.confirm(graphs=self.report.graphs, nonfinite_first_step=first if count else None)

@@ -2,11 +2,12 @@
 
 :class:`~lightning_cudagraph._rollout.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
 steps, through the driver interface only. Step times come from the backend's timer (CUDA events read once per log
-interval or decision, no host sync per step). The warmup steps give the eager baseline; under ``scope="auto"``
-steady eager steps that record nothing give it (right before the first capture), each level is then timed over its
-first steps on graphs, and the level settled on is checked once more against eager training in the steady state.
-Every move happens at the end of a training batch: a scoped level captures at once from the recorded samples; the
-whole step runs an eager step first (NCCL's under DDP).
+interval or decision, no host sync per step). The warmup steps give the eager baseline, or under ``scope="auto"`` the
+eager reference steps (:mod:`~lightning_cudagraph._rollout.eager_reference`); each level is then timed over its first
+steps on graphs, and the level settled on is checked once more against eager training in the steady state. Every
+move happens at the end of a training batch: a scoped level captures at once from the recorded samples; the whole
+step runs an eager step first (NCCL's under DDP); a failure goes where :mod:`~lightning_cudagraph._rollout.
+level_failure` sends it.
 """
 
 from __future__ import annotations
@@ -16,31 +17,21 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._backend.backend import CaptureBackend
-from lightning_cudagraph._backend.timing import StepTimer, median
+from lightning_cudagraph._backend.timing import median
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
 from lightning_cudagraph._options.levels import Level, Plan
-from lightning_cudagraph._rollout.ladder import (
-    CHECK_EAGER_EVERY,
-    CHECK_STEPS,
-    EAGER,
-    MAX_MEASURE_STEPS,
-    MEASURE_STEPS,
-    REFERENCE_STEPS,
-    Ladder,
-    reference_steps,
-)
+from lightning_cudagraph._rollout.eager_reference import EagerReference
+from lightning_cudagraph._rollout.ladder import CHECK_STEPS, EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder
+from lightning_cudagraph._rollout.level_failure import after_failure
 from lightning_cudagraph._rollout.preflight import eager_steps_before_whole_step
 from lightning_cudagraph._rollout.step_times import FitSteps, LevelRun
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 
-__all__ = ["PYTHON_REASONS", "Climb", "MakeDriver", "RunningFit"]
-
-#: Failures of a settled whole step that a level running the step's Python every step does not have.
-PYTHON_REASONS = ("step_python", "skipped_step")
+__all__ = ["Climb", "MakeDriver", "RunningFit"]
 
 #: Builds a level's driver: the level, its settings, and what runs right before its first capture.
 MakeDriver = Callable[[Level, LevelSettings, Callable[[], None]], Driver]
@@ -93,9 +84,8 @@ class Climb:
         self.report, self.component, self.settings = report, component, settings
         self._running: RunningFit | None = None
         self._pending: Level | None = None  # where a failure sent the ladder (its driver is released)
-        self._reference: StepTimer | None = None  # times the eager reference steps (scope="auto")
-        self._checking = False  # the settled level's steady-state check is under way
-        self._check_steps = 0
+        #: The eager reference steps of a walked ladder (before the first capture, and in the steady-state check).
+        self.reference = EagerReference()
 
     @property
     def driver(self) -> Driver | None:
@@ -117,18 +107,14 @@ class Climb:
         steps, level_run = FitSteps(backend.timer(), self.report), LevelRun(backend.timer(), 0.0)
         self._running = RunningFit(trainer, backend, machine, make, driver, steps, level_run)
         if not self.ladder.settled:
-            driver.reference_steps, self._reference = REFERENCE_STEPS, backend.timer()
+            self.reference.before_first_capture(driver, backend.timer())
         machine.on_level_failure = self._level_failed
         self._enter(level)
 
     def train_started(self, trainer: pl.Trainer, confirm_steps: int) -> None:
         """Training starts (its length is known now): a short fit runs no eager reference steps."""
-        fit = self._running
-        if fit is None or self._reference is None:
-            return
-        total = float(trainer.estimated_stepping_batches) * trainer.accumulate_grad_batches
-        left = total - self.settings.first_eager_steps * trainer.accumulate_grad_batches
-        fit.driver.reference_steps = reference_steps(left, trainer.accumulate_grad_batches, confirm_steps)
+        if self.driver is not None:
+            self.reference.fit_length_known(self.driver, trainer, self.settings.first_eager_steps, confirm_steps)
 
     # ------------------------------------------------------------------ per step (no host sync)
     def batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
@@ -136,13 +122,10 @@ class Climb:
         fit = self._running
         if fit is None:
             return
-        if self._checking:
-            self._check_steps += 1
-            if self._check_steps % CHECK_EAGER_EVERY == 1 and fit.machine.stage == Stage.REPLAYING:
-                fit.driver.reference_steps = 1  # this step runs eagerly, timed against the level's steps around it
+        self.reference.batch_started(fit.driver, fit.machine.stage)
         fit.driver.begin_batch(trainer, batch)
         fit.steps.start()
-        timing = (not self.ladder.settled or self._checking) and self._pending is None
+        timing = (not self.ladder.settled or self.reference.checking) and self._pending is None
         fit.level.step_started(timing and fit.machine.stage == Stage.REPLAYING and not fit.driver.in_reference_step)
 
     def batch_ended(self, outputs: Any) -> None:
@@ -154,22 +137,13 @@ class Climb:
         fit.driver.end_step(outputs)
         if fit.machine.stage == Stage.WARMUP:
             fit.machine.warmup_losses.observe(outputs)
-        self._time_reference(fit.driver)
+        self.reference.batch_ended(fit.driver)
         on_graphs = fit.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING) and not fit.driver.in_reference_step
         if not self.ladder.settled:
             self.ladder.row.steps += 1
             fit.level.step_ended(on_graphs=on_graphs)
-        elif self._checking:
+        elif self.reference.checking:
             fit.level.step_ended(on_graphs=on_graphs)
-
-    def _time_reference(self, driver: Driver) -> None:
-        """A reference step runs from the end of the step before to its own end, as a level's steps are timed."""
-        if self._reference is None:
-            return
-        if driver.in_reference_step:
-            self._reference.stop()
-        if driver.reference_steps > 0 or self._checking:
-            self._reference.start()
 
     def read_step_times(self) -> None:
         """Once per log interval: read the steps' times (one host sync); the report mirrors their median."""
@@ -178,9 +152,7 @@ class Climb:
 
     def _note_eager_baseline(self) -> None:
         """Right before the first capture: the eager baseline (the slowest rank's), once; the report mirrors it."""
-        reference = self._reference.read() if self._reference is not None else None
-        self._reference = None
-        eager = self._fit.steps.eager_median(reference)
+        eager = self._fit.steps.eager_median(self.reference.baseline())
         if eager is not None:
             (self.ladder.eager_ms,) = self._fit.machine.agreement.slowest(eager)
             self.report.eager_step_ms = self.ladder.eager_ms
@@ -196,7 +168,7 @@ class Climb:
             self._switch(level)
         elif not self.ladder.settled and due:
             self._time_or_decide()
-        elif self._checking and due:
+        elif self.reference.checking and due:
             self._check_steady_state()
 
     # ------------------------------------------------------------------ decisions
@@ -226,10 +198,7 @@ class Climb:
     def _check_steady_state(self) -> None:
         """Once, on the settled level: its steady-state median against the eager reference; eager if it lost."""
         fit = self._fit
-        self._checking = False
-        fit.driver.reference_steps = 0
-        eager = self._reference.read() if self._reference is not None else []
-        self._reference = None
+        eager = self.reference.end_check(fit.driver)
         step_ms, eager_ms = fit.machine.agreement.slowest(median(fit.level.read()), median(eager))
         if not self.ladder.checked(step_ms, eager_ms):
             fit.machine.disable(
@@ -253,43 +222,15 @@ class Climb:
             self._switch(level)
 
     def _level_failed(self, reason: str) -> bool:
-        """A level failed while climbing: try the next level, or go back to the best one confirmed (``False``: none).
-
-        Settled on the whole step, a step whose Python changed (an epoch, a callback) goes down to the widest level
-        that runs that Python, checked against eager training there.
-        """
+        """A level failed: at the batch's end, go where :func:`after_failure` sends the ladder (``False``: nowhere)."""
         fit = self._running
         if fit is None:
             return False
-        if self.ladder.settled:
-            return self._step_down(fit, reason)
-        failed = self.ladder.row.level
-        self._note_capture_time()
-        level = self.ladder.failed(reason)
-        if level is EAGER or level is None:
-            return False
-        where = (
-            f"goes back to {level.name!r}, the fastest level confirmed before it"
-            if self.ladder.settled
-            else f"tries {level.name!r} next"
-        )
-        rank_zero_warn(f"{self.component}: level {failed!r} of scope='auto' failed ({reason}); training {where}")
-        fit.driver.release()
-        self._pending = level
-        return True
-
-    def _step_down(self, fit: RunningFit, reason: str) -> bool:
-        """The settled whole step can no longer hold the step's Python: settle on the widest level below it."""
-        current = self.ladder.current
-        if not self.ladder.climbs or current is None or not current.whole_step or not reason.startswith(PYTHON_REASONS):
-            return False  # a fixed scope has no level to go to
-        level = self.ladder.step_down(reason)
+        if not self.ladder.settled:
+            self._note_capture_time()
+        level = after_failure(self.ladder, reason, self.component)
         if level is None:
             return False
-        rank_zero_warn(
-            f"{self.component}: the whole step of scope='auto' can no longer hold the step's Python ({reason});"
-            f" training goes down to {level.name!r}"
-        )
         fit.driver.release()
         self._pending = level
         return True
@@ -312,17 +253,12 @@ class Climb:
         fit.machine.begin_level()
         self._enter(level)
 
-    def _begin_check(self) -> None:
-        """Time the settled level once more, eager steps in between (one in :data:`CHECK_EAGER_EVERY`)."""
-        self._checking, self._check_steps = True, 0
-        self._reference = self._fit.backend.timer()
-
     def _enter(self, level: Level) -> None:
         fit = self._fit
-        self._checking = False
+        self.reference.checking = False
         if self.ladder.climbs and self.ladder.settled:
-            self._begin_check()
-        due = CHECK_STEPS if self._checking else MEASURE_STEPS
+            self.reference.begin_check(fit.backend.timer())
+        due = CHECK_STEPS if self.reference.checking else MEASURE_STEPS
         fit.level = LevelRun(fit.level.window, capture_mark=self.report.capture_ms_total, due=due)
         if not self.ladder.climbs:
             return
@@ -337,7 +273,7 @@ class Climb:
         fit.driver.settings = replace(fit.driver.settings, keep_samples=False, measure_pool=True)
         fit.driver.settle()
         self.report.pool_mib = fit.backend.pool_mib()
-        self._begin_check()
+        self.reference.begin_check(fit.backend.timer())
         fit.level = LevelRun(fit.level.window, capture_mark=self.report.capture_ms_total, due=CHECK_STEPS)
         rank_zero_info(f"{self.component}: scope='auto' settled on {self.report.level!r}: {self.ladder.describe()}")
 

@@ -1,0 +1,79 @@
+"""The eager reference of ``scope="auto"``: steady eager steps that record nothing, timed as a level's steps are.
+
+Right before the first capture, :data:`~lightning_cudagraph._rollout.ladder.REFERENCE_STEPS` of them give the eager
+baseline (none in a fit too short for them). Once the ladder settles, the settled level is timed once more with one
+step in :data:`~lightning_cudagraph._rollout.ladder.CHECK_EAGER_EVERY` run eagerly between its replays: the
+steady-state check, both measured in the same stretch of the fit. The driver runs those steps
+(``Driver.reference_steps``, written here only); :class:`EagerReference` says how many and times them.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from lightning_cudagraph._backend.timing import StepTimer
+from lightning_cudagraph._graphs.base import Driver
+from lightning_cudagraph._rollout.ladder import CHECK_EAGER_EVERY, REFERENCE_STEPS, reference_steps
+from lightning_cudagraph.health import Stage
+
+__all__ = ["EagerReference"]
+
+
+class EagerReference:
+    """The eager reference steps of one walked ladder, and their timer.
+
+    Example:
+        >>> reference = EagerReference()
+        >>> reference.checking, reference.baseline()  # a fixed scope times no reference steps
+        (False, None)
+    """
+
+    def __init__(self) -> None:
+        self._timer: StepTimer | None = None  # times the reference steps while there are any to time
+        #: Whether the settled level's steady-state check is under way.
+        self.checking = False
+        self._check_steps = 0
+
+    def before_first_capture(self, driver: Driver, timer: StepTimer) -> None:
+        """The ladder walks: ``driver`` runs the reference steps right before its first capture."""
+        driver.reference_steps, self._timer = REFERENCE_STEPS, timer
+
+    def fit_length_known(self, driver: Driver, trainer: pl.Trainer, first_eager_steps: int, confirm_steps: int) -> None:
+        """Training starts (its length is known now): a short fit runs no reference steps."""
+        if self._timer is None:
+            return
+        total = float(trainer.estimated_stepping_batches) * trainer.accumulate_grad_batches
+        left = total - first_eager_steps * trainer.accumulate_grad_batches
+        driver.reference_steps = reference_steps(left, trainer.accumulate_grad_batches, confirm_steps)
+
+    def batch_started(self, driver: Driver, stage: Stage) -> None:
+        """During the steady-state check, one step in :data:`CHECK_EAGER_EVERY` of the replaying level runs eagerly."""
+        if self.checking:
+            self._check_steps += 1
+            if self._check_steps % CHECK_EAGER_EVERY == 1 and stage == Stage.REPLAYING:
+                driver.reference_steps = 1  # this step runs eagerly, timed against the level's steps around it
+
+    def batch_ended(self, driver: Driver) -> None:
+        """A reference step runs from the end of the step before to its own end, as a level's steps are timed."""
+        if self._timer is None:
+            return
+        if driver.in_reference_step:
+            self._timer.stop()
+        if driver.reference_steps > 0 or self.checking:
+            self._timer.start()
+
+    def baseline(self) -> list[float] | None:
+        """Right before a capture: the times of the reference steps so far (``None``: none timed); timing stops."""
+        times = self._timer.read() if self._timer is not None else None
+        self._timer = None
+        return times
+
+    def begin_check(self, timer: StepTimer) -> None:
+        """The settled level is timed once more: time eager steps between its replays."""
+        self.checking, self._check_steps, self._timer = True, 0, timer
+
+    def end_check(self, driver: Driver) -> list[float]:
+        """The steady-state check ends: no more reference steps; the eager steps' times (none, if none ran)."""
+        self.checking = False
+        driver.reference_steps = 0
+        return self.baseline() or []
