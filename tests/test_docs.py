@@ -9,6 +9,7 @@ heading.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -191,3 +192,15 @@ def test_the_troubleshooting_page_quotes_lightnings_error_for_a_misspelt_strateg
     assert f"ValueError: {message}\n" in misspelt_name_section()
     # The page says the message names no close match: were Lightning to name one, the page would be wrong.
     assert "cudagraph_attn" not in message
+
+
+def test_the_readme_comparison_with_compile_and_thunder_is_the_committed_json() -> None:
+    source = "benchmarks/results/compile/compile_bf16-mixed.json"
+    record = json.loads((ROOT / source).read_text())
+    paragraph = README.read_text().split(f"`{source}` compares", 1)[1].split("\n\n", 1)[0]
+    env = record["environment"]
+    assert env["gpu"] in paragraph and f"torch {env['torch']}" in paragraph and record["precision"] in paragraph
+    order = ["compile_reduce_overhead", "thunder", "full_iteration", "full_iteration+compile"]
+    speedups = {m: {r["variant"]: r["speedup"] for r in got["results"]} for m, got in record["models"].items()}
+    expected = [f"{speedups[model][variant]:.2f}" for model in ("small", "medium") for variant in order]
+    assert re.findall(r"(\d+\.\d+)x", paragraph) == expected
