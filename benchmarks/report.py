@@ -662,8 +662,9 @@ def render(records: list[dict[str, Any]], top: Path, charts: Path | None, markdo
             if kind != "compile":
                 parts.append(section(record))
                 continue
-            rows = [row for m, got in record["models"].items()
-                    for row in bar_rows([{**x, "variant": f"{m} {x['variant']}"} for x in got["results"]])]  # fmt: skip
+            # Each model's bars against its own eager run, then named after the model (labels need the baseline).
+            rows = [(f"{m} {bar[0]}", *bar[1:]) for m, got in record["models"].items()
+                    for bar in bar_rows(got["results"])]  # fmt: skip
             title = f"compile=, {PRECISIONS.get(record['precision'])}"
             parts.append(compile_section(record, chart(f"compile_{record['precision']}.png", bars, rows, title)))
     return "\n".join(part for part in parts if part), drawn

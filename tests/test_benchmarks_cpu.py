@@ -352,3 +352,24 @@ def test_the_optimizer_arithmetic_figures_start_from_a_zero_noise_floor(capsys):
     assert list(figures) == [label for label, _, _ in optimizer_arithmetic.FORMS]
     assert figures["default AdamW (foreach), again"] == 0.0, "the same kernels twice train the same"
     assert figures["the package's form of the default AdamW (fused, tensor lr)"] > 0.0, "other kernels round otherwise"
+
+
+def test_the_compile_chart_labels_each_bar_with_its_speedup_over_that_models_eager(tmp_path, monkeypatch):
+    drawn: dict[str, list[report.Bar]] = {}
+
+    def bars(rows: list[report.Bar], title: str, path: Path) -> Path:
+        drawn[path.name] = list(rows)
+        return path
+
+    monkeypatch.setattr(report, "bars", bars)
+    monkeypatch.setattr(report, "sweep_chart", lambda run, title, path: path)
+    report.render(report.load(report.RESULTS), report.RESULTS, tmp_path, tmp_path / "benchmarks.md")
+    record = json.loads((report.RESULTS / "compile" / "compile_bf16-mixed.json").read_text())
+    expected = {
+        f"{model} {r['variant']}": {x["variant"]: x for x in got["results"]}["eager"]["median_ms"] / r["median_ms"]
+        for model, got in record["models"].items()
+        for r in got["results"]
+    }
+    labels = {row[0]: row[4] for row in drawn["compile_bf16-mixed.png"]}
+    assert labels == pytest.approx(expected)
+    assert {"small thunder", "small compile_reduce_overhead", "medium thunder"} <= labels.keys()

@@ -9,13 +9,18 @@ heading.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import lightning.pytorch as pl
+import pytest
 import yaml  # type: ignore[import-untyped]
+
+from lightning_cudagraph.strategy import _REGISTERED  # importing it registers the names
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_cudagraph"
@@ -162,3 +167,40 @@ def test_every_python_snippet_with_a_strategy_name_imports_the_package() -> None
             if re.search(r"strategy=\"(ddp_)?cudagraph", block) and "lightning_cudagraph" not in block:
                 bare.append(f"{page.name}: {block.strip().splitlines()[0]}")
     assert not bare, f"snippets that use a strategy name without importing lightning_cudagraph: {bare}"
+
+
+def misspelt_name_section() -> str:
+    """The troubleshooting section on a strategy name Lightning does not know (up to the next ``## `` heading)."""
+    page = TROUBLESHOOTING.read_text()
+    heading = "## A strategy name Lightning does not know\n"
+    assert heading in page, "docs/troubleshooting.md lost its section on a misspelt strategy name"
+    return page.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_troubleshooting_page_lists_every_registered_strategy_name() -> None:
+    # Derived from the registry, so a name added to _REGISTERED without this list fails here.
+    listed = re.findall(r"^- `([a-z_]+)`$", misspelt_name_section(), re.MULTILINE)
+    assert listed == list(_REGISTERED)
+
+
+def test_the_troubleshooting_page_quotes_lightnings_error_for_a_misspelt_strategy_name() -> None:
+    """What a user sees for ``Trainer(strategy="cudagraph_atn")`` is the page's quote, word for word."""
+    with pytest.raises(ValueError) as raised:
+        pl.Trainer(strategy="cudagraph_atn", accelerator="cpu", logger=False, enable_checkpointing=False)
+    message = str(raised.value)
+    assert "`strategy='cudagraph_atn'`" in message
+    assert f"ValueError: {message}\n" in misspelt_name_section()
+    # The page says the message names no close match: were Lightning to name one, the page would be wrong.
+    assert "cudagraph_attn" not in message
+
+
+def test_the_readme_comparison_with_compile_and_thunder_is_the_committed_json() -> None:
+    source = "benchmarks/results/compile/compile_bf16-mixed.json"
+    record = json.loads((ROOT / source).read_text())
+    paragraph = README.read_text().split(f"`{source}` compares", 1)[1].split("\n\n", 1)[0]
+    env = record["environment"]
+    assert env["gpu"] in paragraph and f"torch {env['torch']}" in paragraph and record["precision"] in paragraph
+    order = ["compile_reduce_overhead", "thunder", "full_iteration", "full_iteration+compile"]
+    speedups = {m: {r["variant"]: r["speedup"] for r in got["results"]} for m, got in record["models"].items()}
+    expected = [f"{speedups[model][variant]:.2f}" for model in ("small", "medium") for variant in order]
+    assert re.findall(r"(\d+\.\d+)x", paragraph) == expected

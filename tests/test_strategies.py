@@ -219,6 +219,14 @@ def test_cli_registered_name_takes_no_options_and_says_so(tmp_path, monkeypatch,
     assert "max_pool_mib" in capsys.readouterr().err
 
 
+def test_cli_misspelt_name_ends_with_the_error_the_troubleshooting_page_quotes(tmp_path, monkeypatch):
+    # LightningCLI hands the string to the Trainer, so Lightning's own check refuses it (docs/troubleshooting.md).
+    with pytest.raises(ValueError, match="invalid strategy name") as raised:
+        build_cli(tmp_path, ["--trainer.strategy=cudagraph_atn"], monkeypatch)
+    page = (Path(__file__).parents[1] / "docs" / "troubleshooting.md").read_text()
+    assert f"ValueError: {raised.value}\n" in page
+
+
 @pytest.mark.skipif(
     OLD_LIGHTNING, reason="the README's callback command fails under lightning 2.4's LightningCLI (seen at the floors)"
 )
