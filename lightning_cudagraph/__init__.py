@@ -13,6 +13,9 @@ from lightning_cudagraph.callback import CUDAGraphCallback
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 from lightning_cudagraph.model_parallel import ModelParallelCUDAGraphStrategy
 from lightning_cudagraph.strategy import CUDAGraphStrategy, DDPCUDAGraphStrategy
+from lightning_cudagraph.strategy_names import register_strategies
+
+register_strategies()  # idempotent: the module registered them on import already
 
 try:
     __version__ = version("lightning-cudagraph")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_cudagraph._backend.capture import warn_on_grad_stream_mismatch
@@ -20,10 +20,9 @@ from lightning_cudagraph._lightning import single_device_root
 from lightning_cudagraph._options.errors import config_error
 from lightning_cudagraph._options.keywords import checks_keywords, config_from
 from lightning_cudagraph._rollout.preflight import check_ddp_warmup
-from lightning_cudagraph.model_parallel import ModelParallelCUDAGraphStrategy
 from lightning_cudagraph.strategy_base import CUDAGraphStrategyBase
 
-__all__ = ["CUDAGraphStrategy", "DDPCUDAGraphStrategy", "register_strategies"]
+__all__ = ["CUDAGraphStrategy", "DDPCUDAGraphStrategy"]
 
 
 class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
@@ -268,44 +267,3 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         # Built on the stream training and capture run on, so DDP's retained autograd nodes never name another one.
         with torch.cuda.stream(backend.stream):
             super().configure_ddp()
-
-
-#: Registered name: (class, options, description).
-_REGISTERED: dict[str, tuple[type[Strategy], dict[str, Any], str]] = {
-    "cudagraph": (
-        CUDAGraphStrategy,
-        {},
-        "CUDA graphs at the fastest level that works: attn, attn+mlp, layer or the whole step (scope='auto')",
-    ),
-    "cudagraph_attn": (CUDAGraphStrategy, {"scope": ["attn"]}, "CUDA graphs on attention modules"),
-    "cudagraph_mlp": (CUDAGraphStrategy, {"scope": ["mlp"]}, "CUDA graphs on MLP modules"),
-    "cudagraph_attn_mlp": (CUDAGraphStrategy, {"scope": ["attn", "mlp"]}, "CUDA graphs on attention and MLPs"),
-    "cudagraph_layer": (CUDAGraphStrategy, {"scope": ["layer"]}, "CUDA graphs on whole transformer layers"),
-    "cudagraph_full": (CUDAGraphStrategy, {"scope": ["full_iteration"]}, "The whole training step as one CUDA graph"),
-    "ddp_cudagraph": (DDPCUDAGraphStrategy, {}, "DDP with scoped CUDA graphs (scope='auto')"),
-    "ddp_cudagraph_full": (
-        DDPCUDAGraphStrategy,
-        {"scope": ["full_iteration"], "warmup_steps": 11},
-        "DDP with the whole training step as one CUDA graph",
-    ),
-    "fsdp2_cudagraph": (
-        ModelParallelCUDAGraphStrategy,
-        {"tensor_parallel_size": 1},
-        "FSDP2 (fully_shard in configure_model) with the whole step as one CUDA graph where it is faster",
-    ),
-    "fsdp2_cudagraph_full": (
-        ModelParallelCUDAGraphStrategy,
-        {"scope": ["full_iteration"], "tensor_parallel_size": 1},
-        "FSDP2 (fully_shard in configure_model) with the whole training step as one CUDA graph",
-    ),
-}
-
-
-def register_strategies() -> None:
-    """Register the strategy names with Lightning (done on import of the package)."""
-    for name, (cls, options, description) in _REGISTERED.items():
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(name, cls, description=description, **options)
-
-
-register_strategies()

@@ -22,7 +22,13 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_cudagraph
-from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
+from lightning_cudagraph import (
+    CUDAGraphCallback,
+    CUDAGraphStrategy,
+    DDPCUDAGraphStrategy,
+    ModelParallelCUDAGraphStrategy,
+    Stage,
+)
 from tests.helpers import OLD_LIGHTNING, cpu_trainer, graph_callbacks
 from tests.models import TINY, TINY_DATA, DecoderModule, TokenData, decoder
 
@@ -38,6 +44,8 @@ REGISTERED = {
     "cudagraph_full": (CUDAGraphStrategy, ("full_iteration",), 3),
     "ddp_cudagraph": (DDPCUDAGraphStrategy, ("auto",), 3),
     "ddp_cudagraph_full": (DDPCUDAGraphStrategy, ("full_iteration",), 11),
+    "fsdp2_cudagraph": (ModelParallelCUDAGraphStrategy, ("auto",), 3),
+    "fsdp2_cudagraph_full": (ModelParallelCUDAGraphStrategy, ("full_iteration",), 3),
 }
 NAMES = list(REGISTERED)
 
