@@ -86,6 +86,9 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
         data_parallel_size: See :class:`~lightning.pytorch.strategies.ModelParallelStrategy`; ``"auto"`` with an integer
             ``tensor_parallel_size`` makes every other rank data-parallel.
         tensor_parallel_size: See :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        replay_timeout_s: Seconds a replayed whole step may run before the replay watchdog names this rank and the
+            step, aborts the process groups and ends the process (collectives inside a graph escape NCCL's own
+            watchdog). ``None``: 100 eager steps, at least 2 minutes.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
 
     Example::
@@ -118,13 +121,14 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
         optimizer_graph: bool = True,
         compile: bool | Mapping[str, Any] = False,
         # end of options
+        replay_timeout_s: float | None = None,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         **kwargs: Any,
     ) -> None:
         config = config_from(type(self).__name__, locals())
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
-        self._init_graph_options(config)
+        self._init_graph_options(config, replay_timeout_s)
 
     @override
     def setup_environment(self) -> None:

@@ -215,6 +215,9 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
             (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
             ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
             :mod:`lightning_cudagraph._backend.compiling`.
+        replay_timeout_s: Seconds a replayed whole step may run before the replay watchdog names this rank and the
+            step, aborts the process groups and ends the process (collectives inside a graph escape NCCL's own
+            watchdog). ``None``: 100 eager steps, at least 2 minutes.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Example::
@@ -245,11 +248,12 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         optimizer_graph: bool = True,
         compile: bool | Mapping[str, Any] = False,
         # end of options
+        replay_timeout_s: float | None = None,
         **kwargs: Any,
     ) -> None:
         config = config_from(type(self).__name__, locals())
         super().__init__(**kwargs)
-        self._init_graph_options(config)
+        self._init_graph_options(config, replay_timeout_s)
         check_ddp_warmup(config, type(self).__name__)
 
     @override

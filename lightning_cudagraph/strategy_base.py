@@ -26,7 +26,7 @@ from lightning_cudagraph._lightning import (
     trainer_callbacks,
     trainer_of,
 )
-from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._options.config import CUDAGraphConfig, config_error
 from lightning_cudagraph._options.environment import ensure_graph_safe_allocator
 from lightning_cudagraph._rollout.rollout import Rollout
 from lightning_cudagraph.callback import CUDAGraphCallback
@@ -50,7 +50,22 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
 
     supports_full_iteration = True
 
-    def _init_graph_options(self, config: CUDAGraphConfig) -> None:
+    #: Seconds a replayed whole step may run under several ranks before the replay watchdog ends the process
+    #: (``None``: 100 eager steps, at least 2 minutes; :mod:`lightning_cudagraph._backend.watchdog`).
+    replay_timeout_s: float | None = None
+
+    def _init_graph_options(self, config: CUDAGraphConfig, replay_timeout_s: float | None = None) -> None:
+        if replay_timeout_s is not None and not (
+            isinstance(replay_timeout_s, (int, float)) and not isinstance(replay_timeout_s, bool) and replay_timeout_s > 0
+        ):
+            raise config_error(
+                type(self).__name__,
+                "replay_timeout_s",
+                replay_timeout_s,
+                "a number of seconds above 0, or None",
+                "pass e.g. replay_timeout_s=600, or None for the default bound (100 eager steps, at least 2 minutes)",
+            )
+        self.replay_timeout_s = replay_timeout_s
         self.cudagraph_config = config
         if config.enabled:
             ensure_graph_safe_allocator(type(self).__name__)

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,6 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from lightning_cudagraph._backend import watchdog  # noqa: E402
 from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy, ModelParallelCUDAGraphStrategy  # noqa: E402
 from lightning_cudagraph._rollout.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
@@ -46,6 +48,9 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 #: A rank still running after this long prints every thread's stack to the launch log and exits: a hang outside any
 #: collective (a rendezvous, a teardown) then fails the test with the place it hung, before the test's own timeout.
 HANG_S = 150
+#: The replay watchdog's bound in the stall cases; its grace period is set to :data:`WATCHDOG_GRACE_S` for them.
+WATCHDOG_S = 3.0
+WATCHDOG_GRACE_S = 2.0
 #: Eager steps before the first capture of a scoped case.
 WARMUP = 2
 #: ``scope="auto"``: warmup, then per scoped level capture and parity, one graphed confirmation step and the timed
@@ -64,9 +69,11 @@ class LateStepFailure(FakeBackend):
 
     Attributes:
         fail_step_late: Raised by whole-step captures, after the step ran.
+        stall_at_replay: The whole step's replay of this number (from 1) never returns.
     """
 
     fail_step_late: Exception | None = None
+    stall_at_replay: int | None = None
 
     def capture_step(self, body: Callable[[], None]) -> Any:
         """Capture as :class:`FakeBackend` does; then drop the graph and raise ``fail_step_late``, if set."""
@@ -74,7 +81,24 @@ class LateStepFailure(FakeBackend):
         if self.fail_step_late is not None:
             graph.reset()
             raise self.fail_step_late
+        if self.stall_at_replay is not None:
+            graph.replay = _stalling(graph.replay, self.stall_at_replay)
         return graph
+
+
+def _stalling(replay: Callable[[], None], at: int) -> Callable[[], None]:
+    """``replay``, except that replay number ``at`` (from 1) never returns: a rank that stopped replaying."""
+    count = 0
+
+    def stalled() -> None:
+        nonlocal count
+        count += 1
+        if count == at:
+            print(f"rank {os.environ['RANK']}: replay {at} stalls", file=sys.stderr, flush=True)
+            time.sleep(3600)
+        replay()
+
+    return stalled
 
 
 @dataclass(frozen=True)
@@ -91,6 +115,7 @@ class Case:
         sharded: FSDP2: the model applies ``fully_shard`` to each block and to itself in ``configure_model``, the
             graphed fit runs :class:`~lightning_cudagraph.ModelParallelCUDAGraphStrategy` and the reference Lightning's
             ``ModelParallelStrategy``.
+        replay_timeout_s: The replay watchdog's bound (the strategy's option).
     """
 
     options: dict[str, Any]
@@ -100,6 +125,7 @@ class Case:
     log_every_n_steps: int = 50
     accumulate: int = 1
     sharded: bool = False
+    replay_timeout_s: float | None = None
 
 
 def _fails_on_rank_1(**rank_1: Any) -> dict[int, Callable[[], dict[str, Any]]]:
@@ -155,6 +181,21 @@ CASES: dict[str, Case] = {
         _fails_on_rank_1(fail_step_late=RuntimeError("injected: whole-step capture failed on rank 1")),
         max_steps=10,
         sharded=True,
+    ),
+    # FSDP2: rank 1 stops at its third replay; rank 0 waits in the replay's collectives until the watchdog fires.
+    "fsdp2_stall": Case(
+        {"scope": ["full_iteration"], "warmup_steps": WARMUP},
+        _fails_on_rank_1(stall_at_replay=3),
+        max_steps=10,
+        sharded=True,
+        replay_timeout_s=WATCHDOG_S,
+    ),
+    # DDP: the same, with DDP's all-reduce in the graph.
+    "ddp_stall": Case(
+        {"scope": ["full_iteration"], "warmup_steps": 11},
+        _fails_on_rank_1(stall_at_replay=3),
+        max_steps=16,
+        replay_timeout_s=WATCHDOG_S,
     ),
     # Not run by the tests: FakeBackend's own ``fail_step`` on rank 1. Rank 0's fake capture runs the step and its
     # gradient all-reduce, rank 1 raises before it and goes to the capture agreement: the collectives pair up wrongly
@@ -268,10 +309,12 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
     strategy: DDPCUDAGraphStrategy | ModelParallelCUDAGraphStrategy
     if case.sharded:
         reference = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **group)
-        strategy = ModelParallelCUDAGraphStrategy(**case.options, tensor_parallel_size=1, **group)
+        strategy = ModelParallelCUDAGraphStrategy(
+            **case.options, tensor_parallel_size=1, replay_timeout_s=case.replay_timeout_s, **group
+        )
     else:
         reference = DDPStrategy(**group)
-        strategy = DDPCUDAGraphStrategy(**case.options, **group)
+        strategy = DDPCUDAGraphStrategy(**case.options, replay_timeout_s=case.replay_timeout_s, **group)
     eager_run, eager_losses, eager_model = _fit(reference, case.max_steps, accumulate=case.accumulate, sharded=case.sharded)
 
     backend = LateStepFailure(**case.backend.get(rank, dict)())
@@ -319,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     faulthandler.dump_traceback_later(HANG_S, exit=True)
     rank = int(os.environ["RANK"])
+    watchdog.GRACE_S = WATCHDOG_GRACE_S  # a stalled rank is ended within seconds, not the default half minute
     result = run_case(args.case, rank)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))

@@ -75,7 +75,7 @@ def launch(case: str, out: Path) -> Ranks:
     for attempt in (1, 2):
         folder = out / f"attempt{attempt}"
         folder.mkdir()
-        returncode, log = _launch_once(case, folder)
+        returncode, log = launch_once(case, folder)
         if returncode is not None and HANG_MARK not in log:
             break
         if attempt == 2:
@@ -88,7 +88,7 @@ def launch(case: str, out: Path) -> Ranks:
     return rank0, rank1
 
 
-def _launch_once(case: str, out: Path) -> tuple[int | None, str]:
+def launch_once(case: str, out: Path) -> tuple[int | None, str]:
     """The launcher's exit status (``None`` when it ran past :data:`TIMEOUT_S` and was ended) and its log."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += [str(WORKER), "--case", case, "--out", str(out)]

@@ -160,6 +160,13 @@ class CaptureBackend(ABC):
     def release(self) -> None:
         """Wait for queued work, free the pool, give cached memory back (idempotent)."""
 
+    def marker(self) -> Any:
+        """A marker behind the work launched so far, whose ``query()`` says whether the device finished it.
+
+        Work on a device without streams ran on the host before this is called: the marker is done at once.
+        """
+        return _Done()
+
     def preserved(self, modules: Iterable[torch.nn.Module]) -> contextlib.AbstractContextManager[None]:
         """Random-number state and the modules' buffers, restored on exit (a capture leaves no trace)."""
         return module_state_preserved(modules)
@@ -171,3 +178,10 @@ class CaptureBackend(ABC):
         ``None`` where there is nothing to undo.
         """
         return contextlib.nullcontext()
+
+
+class _Done:
+    """A marker of work that already finished."""
+
+    def query(self) -> bool:
+        return True

@@ -80,3 +80,22 @@ def warn_on_grad_stream_mismatch(enabled: bool) -> None:
     """
     if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(enabled)
+
+
+@contextmanager
+def stale_streams_joined() -> Iterator[None]:
+    """During a whole-step capture, autograd nodes that name a stale stream run on the capturing one (where torch has it).
+
+    An eager step's autograd nodes (DDP's, FSDP2's) can keep the stream they were built on; captured, a wait on it
+    would pull a non-capturing stream into the graph. ``torch.autograd.graph.set_override_stale_capture_stream``
+    (newer torch) replaces it with the capturing stream; it is process-global, and off again afterwards (its default).
+    """
+    override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
+    if override is None:
+        yield
+        return
+    override(True)
+    try:
+        yield
+    finally:
+        override(False)

@@ -23,7 +23,7 @@ from lightning_cudagraph._backend.backend import (
     RecordedCall,
     StepGraph,
 )
-from lightning_cudagraph._backend.capture import gc_frozen, graph_capture
+from lightning_cudagraph._backend.capture import gc_frozen, graph_capture, stale_streams_joined
 from lightning_cudagraph._backend.local import capture_regions
 from lightning_cudagraph._backend.optimizers import CapturableOptimizer
 from lightning_cudagraph._backend.state import (
@@ -124,9 +124,15 @@ class CUDABackend(CaptureBackend):
     def capture_step(self, body: Callable[[], None]) -> StepGraph:
         """Capture ``body`` as one graph, GC frozen; on failure the graph is reset before the error propagates."""
         graph = torch.cuda.CUDAGraph()
-        with gc_frozen(), torch.cuda.stream(self.stream), graph_capture(graph, self.pool):
+        with gc_frozen(), stale_streams_joined(), torch.cuda.stream(self.stream), graph_capture(graph, self.pool):
             body()
         return CUDAStepGraph(graph)
+
+    def marker(self) -> torch.cuda.Event:
+        """A CUDA event recorded on the training stream: ``query()`` without a host sync."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Capturable Adam/AdamW, fused SGD, learning rates as device tensors."""

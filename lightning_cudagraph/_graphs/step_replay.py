@@ -14,12 +14,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_cudagraph._backend.backend import StepGraph
+from lightning_cudagraph._backend.watchdog import ReplayWatchdog
 from lightning_cudagraph._graphs.accumulation import Place
 from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph._lightning import set_closure_result, step_loss
 from lightning_cudagraph._trust.cadence import AuditCadence
 from lightning_cudagraph._trust.evidence import largest_so_far
+from lightning_cudagraph._trust.failure import GraphFailure
 from lightning_cudagraph._trust.shadow import compare
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
@@ -46,6 +49,8 @@ class StepReplays:
         self.machine, self.optimizers, self.flags = machine, optimizers, flags
         self.report = machine.report
         self.audits = AuditCadence(audit_every)
+        #: Watches replays under several ranks, where a graph holds collectives (``None`` in one process).
+        self.watchdog: ReplayWatchdog | None = None
         #: The first step the next non-finite check covers.
         self.checked_until = 0
 
@@ -66,7 +71,7 @@ class StepReplays:
         self.flags.current_step.fill_(trainer.global_step)
         if whole.graph is None:
             raise RuntimeError("a whole step replays only once it is captured")
-        whole.graph.replay()
+        self._watched_replay(whole.graph, trainer.global_step)
         self.report.replays += 1
         self.report.steps_replayed += 1
         output = whole.output_copy()
@@ -75,6 +80,21 @@ class StepReplays:
             whole.logs.reissue(module)
         whole.confirm_left -= 1
         return output
+
+    def _watched_replay(self, graph: StepGraph, step: int) -> None:
+        """Replay ``graph``; under several ranks the watchdog sees it launch and finish (no host sync)."""
+        watchdog = self.watchdog
+        if watchdog is None:
+            graph.replay()
+            return
+        watchdog.started(step)
+        try:
+            graph.replay()
+        except Exception as error:
+            if watchdog.fired is not None:  # the watchdog aborted the collective this replay was waiting in
+                raise GraphFailure(watchdog.fired) from error
+            raise
+        watchdog.finished()
 
     def shadow(
         self,

@@ -20,6 +20,7 @@ from torchmetrics import Metric
 
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._backend.compiling import CompiledModules, called_modules
+from lightning_cudagraph._backend.watchdog import ReplayWatchdog, replay_bound_s
 from lightning_cudagraph._graphs.accumulation import GradientBinding
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
 from lightning_cudagraph._graphs.step_capture import StepCapture, metric_in_graph, refused_capture
@@ -84,6 +85,10 @@ class WholeStepDriver(Driver):
     def start(self, trainer: pl.Trainer) -> None:
         """Switch optimizers to their capturable form for the whole fit, so their arithmetic never changes mid-run."""
         self.replays.checked_until = trainer.global_step
+        if trainer.world_size > 1:  # the graph holds collectives, which NCCL's watchdog does not see
+            timeout_s = getattr(trainer.strategy, "replay_timeout_s", None)
+            bound = lambda: replay_bound_s(self.report.eager_step_ms, timeout_s)  # noqa: E731
+            self.replays.watchdog = ReplayWatchdog(bound, trainer.global_rank, self.backend.marker)
         self.binding = GradientBinding(list(trainer.lightning_module.parameters()))
         for optimizer in trainer.optimizers:
             self.optimizers.prepare(optimizer)
@@ -267,6 +272,8 @@ class WholeStepDriver(Driver):
     def release(self) -> None:
         """Reset every step graph and give the optimizers and compiled modules back (even when a reset fails)."""
         self._plan = self._first = None
+        if self.replays.watchdog is not None:
+            self.replays.watchdog.close()
         self.capture.release()
         self.binding.forget()
         steps = self.steps.clear()
