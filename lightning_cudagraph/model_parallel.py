@@ -14,6 +14,7 @@ from typing import Any, Literal
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from lightning_cudagraph._options.errors import config_error
 from lightning_cudagraph._options.keywords import checks_keywords, config_from
 from lightning_cudagraph.strategy_base import CUDAGraphStrategyBase
 
@@ -126,6 +127,15 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
         tensor_parallel_size: Literal["auto"] | int = "auto",
         **kwargs: Any,
     ) -> None:
+        if compile is not False:  # before the options' own rules, which would offer scopes FSDP2 refuses
+            raise config_error(
+                type(self).__name__,
+                "compile",
+                compile,
+                "compile= on one device",
+                "not yet supported under FSDP2 (compiled autograd has not been tried inside a captured step); drop"
+                " compile=, or compile the model yourself (default mode) and let the package capture it",
+            )
         config = config_from(type(self).__name__, locals())
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self._init_graph_options(config, replay_timeout_s)

@@ -55,9 +55,8 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
     replay_timeout_s: float | None = None
 
     def _init_graph_options(self, config: CUDAGraphConfig, replay_timeout_s: float | None = None) -> None:
-        if replay_timeout_s is not None and not (
-            isinstance(replay_timeout_s, (int, float)) and not isinstance(replay_timeout_s, bool) and replay_timeout_s > 0
-        ):
+        seconds = isinstance(replay_timeout_s, (int, float)) and not isinstance(replay_timeout_s, bool)
+        if replay_timeout_s is not None and not (seconds and replay_timeout_s > 0):
             raise config_error(
                 type(self).__name__,
                 "replay_timeout_s",

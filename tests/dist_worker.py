@@ -36,8 +36,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from lightning_cudagraph._backend import watchdog  # noqa: E402
 from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy, ModelParallelCUDAGraphStrategy  # noqa: E402
+from lightning_cudagraph._backend import watchdog  # noqa: E402
 from lightning_cudagraph._rollout.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
 from tests.helpers import LEVEL_MS, LossRecorder, RebindAt, graph_callback, timed_by_level, trainer  # noqa: E402
@@ -315,7 +315,9 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
     else:
         reference = DDPStrategy(**group)
         strategy = DDPCUDAGraphStrategy(**case.options, replay_timeout_s=case.replay_timeout_s, **group)
-    eager_run, eager_losses, eager_model = _fit(reference, case.max_steps, accumulate=case.accumulate, sharded=case.sharded)
+    eager_run, eager_losses, eager_model = _fit(
+        reference, case.max_steps, accumulate=case.accumulate, sharded=case.sharded
+    )
 
     backend = LateStepFailure(**case.backend.get(rank, dict)())
     strategy.capture_backend = backend

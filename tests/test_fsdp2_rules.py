@@ -187,10 +187,15 @@ def test_gradient_accumulation_is_refused_under_fsdp2_and_the_fix_trains(strateg
     assert run.global_step == 2 and graph_callback(run).report.reason == "impl_none"
 
 
+@pytest.mark.parametrize("scope", ["auto", ["full_iteration"]], ids=str)
 @pytest.mark.parametrize("compile_option", [True, {"backend": "eager"}], ids=["inductor", "eager-backend"])
-def test_compile_is_refused_under_fsdp2_even_on_one_process(compile_option):
-    message, _ = refused_fit(fsdp2(["full_iteration"], compile=compile_option))
-    assert_refused(message, STRATEGY, "`compile={", "Allowed: compile= on one device", "FSDP2", "drop compile=")
+def test_compile_is_refused_under_fsdp2_when_the_strategy_is_built(compile_option, scope):
+    # Built, not fitted: the refusal comes before any Trainer, and offers no scope (FSDP2 refuses them all with it).
+    with pytest.raises(ValueError) as refusal:
+        ModelParallelCUDAGraphStrategy(scope=scope, compile=compile_option, tensor_parallel_size=1)
+    message = str(refusal.value)
+    assert_refused(message, STRATEGY, "`compile=", "Allowed: compile= on one device", "FSDP2", "drop compile=")
+    assert "scope=['layer']" not in message and "cudagraph_full" not in message
 
 
 @pytest.mark.parametrize("scope", ["auto", ["layer"], ["full_iteration"]], ids=str)

@@ -84,7 +84,7 @@ def warn_on_grad_stream_mismatch(enabled: bool) -> None:
 
 @contextmanager
 def stale_streams_joined() -> Iterator[None]:
-    """During a whole-step capture, autograd nodes that name a stale stream run on the capturing one (where torch has it).
+    """During a whole-step capture, autograd nodes naming a stale stream run on the capturing one (where torch can).
 
     An eager step's autograd nodes (DDP's, FSDP2's) can keep the stream they were built on; captured, a wait on it
     would pull a non-capturing stream into the graph. ``torch.autograd.graph.set_override_stale_capture_stream``

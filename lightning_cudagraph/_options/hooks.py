@@ -77,8 +77,11 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
 
 
 def _sharding(hook: object) -> bool:
-    """Whether ``hook`` is FSDP2's own (``fully_shard``): its work is the all-gather and reshard a captured step holds,
-    and its Python leaves the same state after every step."""
+    """Whether ``hook`` is FSDP2's own (``fully_shard``).
+
+    Its work is the all-gather and the reshard that a captured step holds, and its Python leaves the same state
+    after every step.
+    """
     owner = getattr(hook, "__self__", None)
     if owner is None:  # a module of several FSDP2 modules wraps its hooks in closures over its state's methods
         cells = getattr(hook, "__closure__", None) or ()

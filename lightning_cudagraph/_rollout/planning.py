@@ -67,12 +67,15 @@ def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Lightnin
     found = "; ".join(
         f"{level.name}: {(level.unavailable and f'skipped ({level.unavailable})') or 'planned'}" for level in levels
     )
-    summary = (
-        f"scope='auto' will try {found}"
-        if walk
-        else f"scope='auto' found no attention, MLP or layer modules and cannot capture the whole step ({found});"
-        f" modules include {candidate_names(module)}. Pass scope=[...] with modules={{...}} to choose some"
-    )
+    if walk:
+        summary = f"scope='auto' will try {found}"
+    elif not scoped:
+        summary = f"scope='auto' under FSDP2 tries the whole step alone, and it cannot be captured here ({found})"
+    else:
+        summary = (
+            f"scope='auto' found no attention, MLP or layer modules and cannot capture the whole step ({found});"
+            f" modules include {candidate_names(module)}. Pass scope=[...] with modules={{...}} to choose some"
+        )
     return Plan(
         tuple(levels),
         climbs=True,
@@ -105,7 +108,7 @@ def _whole_step_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | N
     module = trainer.lightning_module
     try:
         check_trainer(whole, trainer, module, "scope='auto'")
-        check_whole_step_hooks(whole, module, "scope='auto'")
+        check_whole_step_hooks(whole, trainer, "scope='auto'")
     except ValueError as error:
         return str(error)
     if config.impl != "local":

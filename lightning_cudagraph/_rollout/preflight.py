@@ -81,7 +81,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
             "Lightning's own optimizer_step with scope=['full_iteration'] and accumulate_grad_batches > 1",
             "the whole step graphs every micro-batch, so Lightning would call the override for the micro-batches"
             " that only accumulate as well; move its work to a scheduler or on_before_optimizer_step, pass"
-            " accumulate_grad_batches=1 with a larger batch, or use a scoped capture (scope=['layer'])",
+            f" accumulate_grad_batches=1 with a larger batch, or {_instead_of_the_whole_step(trainer)}",
         )
     if not module.automatic_optimization:
         raise config_error(
@@ -89,7 +89,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
             "automatic_optimization",
             False,
             "automatic optimization with scope=['full_iteration']",
-            "use a scoped capture (scope=['layer'] or ['attn', 'mlp']) with manual optimization",
+            f"{_instead_of_the_whole_step(trainer, ['attn', 'mlp'])} with manual optimization",
         )
 
 
@@ -111,21 +111,33 @@ def whole_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer, c
     return None
 
 
-def check_whole_step_hooks(config: CUDAGraphConfig, module: pl.LightningModule, component: str) -> None:
+def check_whole_step_hooks(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
     """Refuse module hooks on the whole step: they would run once, at capture, and be replayed as captured."""
     if not config.full_iteration:
         return
-    hooked = hooked_modules(module)
+    hooked = hooked_modules(trainer.lightning_module)
     if hooked:
+        keeps = ", which keeps hooks on the captured regions firing" if _scoped_graphs(trainer) else ""
         raise config_error(
             component,
             "scope",
             list(config.scope),
             "full_iteration on modules without forward or backward hooks",
             f"{', '.join(hooked[:5])} carry hooks, whose Python would run once at capture and never again; remove"
-            " them (hook.remove()) for the fit, or use a scoped capture (scope=['layer']), which keeps hooks on"
-            " the captured regions firing",
+            f" them (hook.remove()) for the fit, or {_instead_of_the_whole_step(trainer)}{keeps}",
         )
+
+
+def _scoped_graphs(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's strategy allows scoped graphs (FSDP2 does not: :data:`SCOPED_UNDER_FSDP2`)."""
+    return bool(getattr(trainer.strategy, "supports_scoped_graphs", True))
+
+
+def _instead_of_the_whole_step(trainer: pl.Trainer, scope: list[str] | None = None) -> str:
+    """What a fix offers in place of the whole step: a scoped capture, or eager training where none is allowed."""
+    if _scoped_graphs(trainer):
+        return f"use a scoped capture (scope={scope or ['layer']!r})"
+    return "train eagerly (impl='none'): scoped graphs are refused under FSDP2 too"
 
 
 def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:

@@ -108,7 +108,7 @@ class Rollout:
             return
         with self._refusals_disable():
             problem = preflight.whole_step_optimizer_problem(self.config, trainer, self.component)
-            preflight.check_whole_step_hooks(self.config, trainer.lightning_module, self.component)
+            preflight.check_whole_step_hooks(self.config, trainer, self.component)
             preflight.check_seal_within_the_fit(self.config, trainer, self.component)
         if problem is not None:
             self.climb.ladder.skip(FULL_ITERATION, problem)
