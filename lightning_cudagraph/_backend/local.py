@@ -274,6 +274,19 @@ def tensor_addresses(module: torch.nn.Module) -> dict[str, int]:
     return {name: tensor.data_ptr() for name, tensor in named}
 
 
+def moved_since(addresses: dict[str, int], module: torch.nn.Module) -> list[str]:
+    """The parameters and buffers of ``module`` not at the :func:`tensor_addresses` taken then (rebound, added).
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> then = tensor_addresses(layer)
+        >>> layer.weight.data = layer.weight.data.clone()
+        >>> moved_since(then, layer)
+        ['weight']
+    """
+    return [name for name, address in tensor_addresses(module).items() if addresses.get(name) != address]
+
+
 def autocast_of(signature: CallSignature) -> Any:
     """The autocast context a call ran under (cache off, as capture requires)."""
     enabled, dtype = signature.autocast

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
 from lightning_cudagraph._backend.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
 from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, parity_of
+from lightning_cudagraph._graphs.patched_forward import PatchedForward
 from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph.health import EvaluationRecord
 
@@ -48,30 +49,24 @@ class _RegionGraph:
         self.graph, self.output, self.leaves, self.inputs = None, None, None, []
 
 
-class RegionForward:
-    """Installed as a region module's ``forward`` for one evaluation loop; hands each call to the owner."""
+class RegionForward(PatchedForward):
+    """Installed as a region module's ``forward`` for one evaluation loop; hands each call to the owner.
+
+    What it runs eagerly (:attr:`run`) is what the module ran before: the training driver's forward, or its own.
+    """
 
     def __init__(self, name: str, module: torch.nn.Module, owner: EvalRegionGraphs) -> None:
-        self.name, self.module, self._owner = name, module, owner
-        self.run = module.forward  # what the call runs eagerly (the training driver's forward, or the module's)
-        self._had = "forward" in module.__dict__
-        self._previous = module.__dict__.get("forward")
+        super().__init__(module)
+        self.name, self._owner = name, owner
         #: Graphs by positional key (plain positional calls), and by full signature for the rest.
         self.by_key: dict[Any, _RegionGraph] = {}
         #: Graphs captured for this region (call signatures), at most the owner's ``limit``.
         self.captured = 0
-        module.forward = self
+        self.install()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replay the region's evaluation graph, or run the call eagerly."""
         return self._owner.call(self, args, kwargs)
-
-    def restore(self) -> None:
-        """Give the module the forward it had before the loop."""
-        if self._had:
-            self.module.__dict__["forward"] = self._previous
-        else:
-            self.module.__dict__.pop("forward", None)
 
 
 class EvalRegionGraphs(EvalGraphs):

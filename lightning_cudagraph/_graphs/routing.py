@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._backend.backend import RegionGraphs
 from lightning_cudagraph._backend.compiling import CompiledForwards
-from lightning_cudagraph._backend.local import tensor_addresses
+from lightning_cudagraph._backend.local import moved_since
 from lightning_cudagraph._backend.signature import (
     call_key,
     call_signature,
@@ -28,6 +28,7 @@ from lightning_cudagraph._backend.signature import (
     positional_key,
     signatures_equal,
 )
+from lightning_cudagraph._graphs.patched_forward import PatchedForward
 from lightning_cudagraph._options.scopes import Target
 from lightning_cudagraph._trust.evidence import relative_error
 from lightning_cudagraph._trust.observation import Observer
@@ -35,7 +36,7 @@ from lightning_cudagraph._trust.recording import WarmupRecorder
 from lightning_cudagraph.health import CUDAGraphReport
 
 
-class TargetForward:
+class TargetForward(PatchedForward):
     """Installed as a target module's ``forward``; hands every call to the router.
 
     ``original`` is the module's own forward; ``run`` is what training steps run and capture: the same, or its
@@ -49,21 +50,15 @@ class TargetForward:
         route: Callable[..., Any],
         compiled: CompiledForwards | None = None,
     ) -> None:
-        self.index, self.module, self._route = index, module, route
-        self.original = module.forward
-        self.run = self.original if compiled is None else compiled.for_module(module, self.original)
-        self._previous = module.__dict__.get("forward")
+        super().__init__(module)
+        self.index, self._route = index, route
+        self.original = self.run
+        if compiled is not None:
+            self.run = compiled.for_module(module, self.original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the call through the router (record, replay or fall back)."""
         return self._route(self, args, kwargs)
-
-    def restore(self) -> None:
-        """Give the module back the forward it had before."""
-        if self._previous is not None:
-            self.module.forward = self._previous
-        else:
-            self.module.__dict__.pop("forward", None)
 
 
 class PatchedForwards:
@@ -82,7 +77,7 @@ class PatchedForwards:
                 TargetForward(i, t.module, self._route, self._compiled) for i, t in enumerate(self._targets)
             ]
             for forward in self._patched:
-                forward.module.forward = forward
+                forward.install()
 
     def run_of(self, index: int) -> Callable[..., Any]:
         """What training steps run (and a capture records) for target ``index``: its forward, or the compiled one."""
@@ -238,7 +233,7 @@ class CallRouter:
         self, route: StepRoute, entry: ReplayEntry, forward: TargetForward, args: tuple[Any, ...], kwargs: dict
     ) -> Any:
         region = entry.region
-        moved = [name for name, ptr in tensor_addresses(forward.module).items() if region.addresses.get(name) != ptr]
+        moved = moved_since(region.addresses, forward.module)
         if moved:
             route.problem = f"address_changed: {region.name}.{moved[0]} is not the tensor the graph was captured with"
             route.fallback_reason = "confirmation failed"

@@ -1,0 +1,52 @@
+"""A callable set as a module's ``forward`` on the instance, which gives back what was there: the one forward patcher.
+
+Training regions (:class:`~lightning_cudagraph._graphs.routing.TargetForward`) and evaluation regions
+(:class:`~lightning_cudagraph._graphs.eval_regions.RegionForward`) both route a module's calls through it. A forward
+the user (or another library) had set on the instance before is put back on :meth:`PatchedForward.restore`; otherwise
+the instance attribute is removed, so the class's ``forward`` is found again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["PatchedForward"]
+
+
+class PatchedForward:
+    """Set as ``module.forward`` by :meth:`install`; :meth:`restore` puts back the forward the instance had.
+
+    Args:
+        module: The module whose calls go through this object.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> class Doubled(PatchedForward):
+        ...     def __call__(self, x):
+        ...         return self.run(x) * 2
+        >>> patch = Doubled(layer); patch.install()
+        >>> "forward" in vars(layer), patch.run == torch.nn.Linear.forward.__get__(layer)
+        (True, True)
+        >>> patch.restore(); "forward" in vars(layer)
+        False
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        #: What the module ran before: its class's forward, or one set on the instance.
+        self.run: Any = module.forward
+        self._had = "forward" in module.__dict__
+        self._previous = module.__dict__.get("forward")
+
+    def install(self) -> None:
+        """Route the module's calls through this object."""
+        self.module.forward = self
+
+    def restore(self) -> None:
+        """Give the module back the forward it had before :meth:`install`."""
+        if self._had:
+            self.module.__dict__["forward"] = self._previous
+        else:
+            self.module.__dict__.pop("forward", None)
