@@ -41,6 +41,8 @@ TEST_TIMEOUT_S = 240
 
 S = "tests/test_strict_scenarios.py::"
 P = "tests/test_step_python.py::"
+W = "tests/test_watchdog.py::"
+R = "tests/test_fsdp2_rules.py::"
 
 
 @dataclass(frozen=True)
@@ -734,6 +736,51 @@ MUTATIONS: list[Mutation] = [
         "eager MoE experts whose operations follow the routing are reported without the experts or the fix",
         "tests/test_capture_hints.py::"
         "test_eager_moe_experts_whose_operations_follow_the_routing_name_the_experts_and_the_fix",
+    ),
+    # ------------------------------------------------------------------ FSDP2 and the replay watchdog
+    m(
+        "_backend/watchdog.py",
+        "while self._pending and self._pending[0][2] is not None and self._pending[0][2].query():",
+        "while self._pending and self._pending[0][2] is not None:",
+        "a replay counts as finished once launched: a rank stuck in a replayed collective hangs every rank",
+        W + "test_a_replay_that_never_finishes_names_the_rank_and_step_and_ends_the_process",
+    ),
+    m(
+        "_backend/watchdog.py",
+        "    return max(MIN_BOUND_S, STEPS_IN_BOUND * eager_step_ms / 1000)",
+        "    return min(MIN_BOUND_S, STEPS_IN_BOUND * eager_step_ms / 1000)",
+        "the default bound is a fraction of a second on a fast model: healthy fits are ended",
+        W + "test_the_default_bound_is_generous_and_replay_timeout_s_overrides_it",
+    ),
+    m(
+        "_graphs/step_replay.py",
+        "            if watchdog.fired is not None:  # the watchdog aborted",
+        "            if watchdog.fired is None:  # the watchdog aborted",
+        "training raises the aborted collective's raw error instead of the watchdog's rank and step",
+        W + "test_training_that_raises_within_the_grace_period_keeps_the_process_and_gets_the_reason",
+    ),
+    m(
+        "_options/hooks.py",
+        '    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp._fully_shard")',
+        "    return True",
+        "a user's hook on a sharded model is taken for FSDP2's own: it runs once at capture and never again",
+        R + "test_a_users_hook_on_a_sharded_block_is_refused_under_the_fsdp2_whole_step",
+    ),
+    m(
+        "_rollout/planning.py",
+        "        if not (scoped or level.whole_step or level.unavailable):",
+        "        if not (scoped or level.unavailable):",
+        "scope='auto' under FSDP2 skips the whole step as well: graphs never come on",
+        R + "test_auto_under_fsdp2_skips_every_scoped_level_and_keeps_the_whole_step",
+    ),
+    m(
+        "_rollout/preflight.py",
+        "    if trainer.accumulate_grad_batches > 1:\n        raise config_error(\n            component,\n"
+        '            "Trainer(accumulate_grad_batches=...)",',
+        "    if trainer.accumulate_grad_batches > 2:\n        raise config_error(\n            component,\n"
+        '            "Trainer(accumulate_grad_batches=...)",',
+        "two micro-batches under FSDP2 are captured with a reduce-scatter the first one must skip",
+        R + "test_gradient_accumulation_is_refused_under_fsdp2_and_the_fix_trains",
     ),
 ]
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_cudagraph import DDPCUDAGraphStrategy, GraphFailure, ModelParallelCUDAGraphStrategy
-from lightning_cudagraph._backend.watchdog import EXIT_CODE, ReplayWatchdog
+from lightning_cudagraph._backend.watchdog import EXIT_CODE, MIN_BOUND_S, STEPS_IN_BOUND, ReplayWatchdog, replay_bound_s
 from lightning_cudagraph._graphs.step_replay import StepReplays
 from lightning_cudagraph.health import CUDAGraphReport
 
@@ -111,3 +111,10 @@ def test_training_that_raises_within_the_grace_period_keeps_the_process_and_gets
 def test_a_replay_timeout_that_is_not_a_positive_number_of_seconds_is_refused(strategy: type, value: object) -> None:
     with pytest.raises(ValueError, match=r"replay_timeout_s=.*Allowed: a number of seconds above 0, or None"):
         strategy(replay_timeout_s=value)
+
+
+def test_the_default_bound_is_generous_and_replay_timeout_s_overrides_it() -> None:
+    assert replay_bound_s(5.0) == MIN_BOUND_S, "a fast step is still given minutes"
+    assert replay_bound_s(4000.0) == STEPS_IN_BOUND * 4.0, "a slow step is given its hundred steps"
+    assert replay_bound_s(float("nan")) == MIN_BOUND_S, "before any eager step was timed"
+    assert replay_bound_s(5.0, timeout_s=7.5) == 7.5
