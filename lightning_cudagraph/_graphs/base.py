@@ -90,9 +90,10 @@ class Driver(ABC):
         self.before_first_capture: Callable[[], None] = lambda: None
         #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
         self.captured_any = False
-        #: Eager steps to run, recording nothing, right before the first capture: the eager reference of
-        #: ``scope="auto"`` (set by the level runner; a driver that cannot run them leaves it unused).
-        self.reference_steps = 0
+        #: Asked where this driver could run an eager step that records nothing (right before its first capture, or
+        #: between replays): whether it runs one, ``scope="auto"``'s eager reference. The level runner owns the answer
+        #: (a driver that cannot run them never asks); by default never.
+        self.take_reference_step: Callable[[], bool] = lambda: False
         #: Whether the step in progress is one of them.
         self.in_reference_step = False
         #: Run the next planned step eagerly, counted as a fallback with this reason (a re-check of the step's

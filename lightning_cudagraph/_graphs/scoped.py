@@ -104,7 +104,7 @@ class ScopedDriver(Driver):
         self.in_reference_step = False
         if not self.machine.graphs_allowed:
             return
-        if self.captured_any and self.reference_steps > 0 and self.machine.stage == Stage.REPLAYING:
+        if self.captured_any and self.machine.stage == Stage.REPLAYING and self.take_reference_step():
             self._reference_step()  # the steady-state check of scope="auto": eager steps between replayed ones
             return
         key = batch_key(batch)
@@ -137,7 +137,7 @@ class ScopedDriver(Driver):
         elif outcome.action is ShapeAction.FALLBACK:
             self.router.begin(StepRoute(fallback_reason=outcome.reason))
         elif outcome.action is ShapeAction.CAPTURE:
-            if not self.captured_any and self.reference_steps > 0:  # eager, nothing recorded: the eager reference
+            if not self.captured_any and self.take_reference_step():  # eager, nothing recorded: the eager reference
                 self._reference_step()
                 return None
             return self.capture.capture_shape(batch, outcome, self.capture_method)
@@ -145,7 +145,6 @@ class ScopedDriver(Driver):
 
     def _reference_step(self) -> None:
         """An eager step that records and counts nothing: ``scope="auto"`` times it as eager training."""
-        self.reference_steps -= 1
         self.in_reference_step = True
         self.router.begin(StepRoute())
 

@@ -106,15 +106,15 @@ class Climb:
         driver = make(level, _level_settings(self.ladder, self.settings), self._note_eager_baseline)
         steps, level_run = FitSteps(backend.timer(), self.report), LevelRun(backend.timer(), 0.0)
         self._running = RunningFit(trainer, backend, machine, make, driver, steps, level_run)
+        self.reference.driver_built(driver)
         if not self.ladder.settled:
-            self.reference.before_first_capture(driver, backend.timer())
+            self.reference.before_first_capture(backend.timer())
         machine.on_level_failure = self._level_failed
         self._enter(level)
 
     def train_started(self, trainer: pl.Trainer, confirm_steps: int) -> None:
         """Training starts (its length is known now): a short fit runs no eager reference steps."""
-        if self.driver is not None:
-            self.reference.fit_length_known(self.driver, trainer, self.settings.first_eager_steps, confirm_steps)
+        self.reference.fit_length_known(trainer, self.settings.first_eager_steps, confirm_steps)
 
     # ------------------------------------------------------------------ per step (no host sync)
     def batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
@@ -122,7 +122,7 @@ class Climb:
         fit = self._running
         if fit is None:
             return
-        self.reference.batch_started(fit.driver, fit.machine.stage)
+        self.reference.batch_started(fit.machine.stage)
         fit.driver.begin_batch(trainer, batch)
         fit.steps.start()
         timing = (not self.ladder.settled or self.reference.checking) and self._pending is None
@@ -198,7 +198,7 @@ class Climb:
     def _check_steady_state(self) -> None:
         """Once, on the settled level: its steady-state median against the eager reference; eager if it lost."""
         fit = self._fit
-        eager = self.reference.end_check(fit.driver)
+        eager = self.reference.end_check()
         step_ms, eager_ms = fit.machine.agreement.slowest(median(fit.level.read()), median(eager))
         if not self.ladder.checked(step_ms, eager_ms):
             fit.machine.disable(
@@ -245,6 +245,7 @@ class Climb:
             eager_steps = eager_steps_before_whole_step(fit.trainer) if level.whole_step else 1
             settings = replace(self.settings, first_eager_steps=eager_steps)
             fit.driver = fit.make_driver(level, _level_settings(self.ladder, settings), self._note_eager_baseline)
+            self.reference.driver_built(fit.driver)
             fit.driver.take_seal_from(driver)
             fit.driver.start(fit.trainer)
         else:

@@ -3,8 +3,9 @@
 Right before the first capture, :data:`~lightning_cudagraph._rollout.ladder.REFERENCE_STEPS` of them give the eager
 baseline (none in a fit too short for them). Once the ladder settles, the settled level is timed once more with one
 step in :data:`~lightning_cudagraph._rollout.ladder.CHECK_EAGER_EVERY` run eagerly between its replays: the
-steady-state check, both measured in the same stretch of the fit. The driver runs those steps
-(``Driver.reference_steps``, written here only); :class:`EagerReference` says how many and times them.
+steady-state check, both measured in the same stretch of the fit. The driver runs those steps where it could run
+one, when :meth:`EagerReference.take_step` (its ``Driver.take_reference_step``) says so; :class:`EagerReference` keeps
+how many are left, counted down as they run, and times them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class EagerReference:
         >>> reference = EagerReference()
         >>> reference.checking, reference.baseline()  # a fixed scope times no reference steps
         (False, None)
+        >>> reference.take_step()  # and runs none
+        False
     """
 
     def __init__(self) -> None:
@@ -33,25 +36,37 @@ class EagerReference:
         #: Whether the settled level's steady-state check is under way.
         self.checking = False
         self._check_steps = 0
+        self._left = 0  # reference steps the driver of the level is to run yet
 
-    def before_first_capture(self, driver: Driver, timer: StepTimer) -> None:
-        """The ladder walks: ``driver`` runs the reference steps right before its first capture."""
-        driver.reference_steps, self._timer = REFERENCE_STEPS, timer
+    def driver_built(self, driver: Driver) -> None:
+        """The level runner built ``driver``: it asks :meth:`take_step`, with none left (a new driver runs none yet)."""
+        driver.take_reference_step, self._left = self.take_step, 0
 
-    def fit_length_known(self, driver: Driver, trainer: pl.Trainer, first_eager_steps: int, confirm_steps: int) -> None:
+    def take_step(self) -> bool:
+        """Asked by the driver where it could run a reference step: whether it runs one now (one fewer left if so)."""
+        if self._left <= 0:
+            return False
+        self._left -= 1
+        return True
+
+    def before_first_capture(self, timer: StepTimer) -> None:
+        """The ladder walks: the driver runs the reference steps right before its first capture."""
+        self._left, self._timer = REFERENCE_STEPS, timer
+
+    def fit_length_known(self, trainer: pl.Trainer, first_eager_steps: int, confirm_steps: int) -> None:
         """Training starts (its length is known now): a short fit runs no reference steps."""
         if self._timer is None:
             return
         total = float(trainer.estimated_stepping_batches) * trainer.accumulate_grad_batches
         left = total - first_eager_steps * trainer.accumulate_grad_batches
-        driver.reference_steps = reference_steps(left, trainer.accumulate_grad_batches, confirm_steps)
+        self._left = reference_steps(left, trainer.accumulate_grad_batches, confirm_steps)
 
-    def batch_started(self, driver: Driver, stage: Stage) -> None:
+    def batch_started(self, stage: Stage) -> None:
         """During the steady-state check, one step in :data:`CHECK_EAGER_EVERY` of the replaying level runs eagerly."""
         if self.checking:
             self._check_steps += 1
             if self._check_steps % CHECK_EAGER_EVERY == 1 and stage == Stage.REPLAYING:
-                driver.reference_steps = 1  # this step runs eagerly, timed against the level's steps around it
+                self._left = 1  # this step runs eagerly, timed against the level's steps around it
 
     def batch_ended(self, driver: Driver) -> None:
         """A reference step runs from the end of the step before to its own end, as a level's steps are timed."""
@@ -59,7 +74,7 @@ class EagerReference:
             return
         if driver.in_reference_step:
             self._timer.stop()
-        if driver.reference_steps > 0 or self.checking:
+        if self._left > 0 or self.checking:
             self._timer.start()
 
     def baseline(self) -> list[float] | None:
@@ -72,8 +87,7 @@ class EagerReference:
         """The settled level is timed once more: time eager steps between its replays."""
         self.checking, self._check_steps, self._timer = True, 0, timer
 
-    def end_check(self, driver: Driver) -> list[float]:
+    def end_check(self) -> list[float]:
         """The steady-state check ends: no more reference steps; the eager steps' times (none, if none ran)."""
-        self.checking = False
-        driver.reference_steps = 0
+        self.checking, self._left = False, 0
         return self.baseline() or []
