@@ -242,8 +242,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_rollout/preflight.py",
-        "    hooked = hooked_modules(module)\n    if hooked:",
-        "    hooked = hooked_modules(module)\n    if False:",
+        "    hooked = hooked_modules(trainer.lightning_module)\n    if hooked:",
+        "    hooked = hooked_modules(trainer.lightning_module)\n    if False:",
         "module hooks accepted under the whole step (they run once, at capture)",
         "tests/test_lifecycle_full.py::test_module_hooks_are_refused_before_training",
     ),
@@ -774,7 +774,7 @@ MUTATIONS: list[Mutation] = [
         R + "test_auto_under_fsdp2_skips_every_scoped_level_and_keeps_the_whole_step",
     ),
     m(
-        "_rollout/preflight.py",
+        "_rollout/sharding.py",
         "    if trainer.accumulate_grad_batches > 1:\n        raise config_error(\n            component,\n"
         '            "Trainer(accumulate_grad_batches=...)",',
         "    if trainer.accumulate_grad_batches > 2:\n        raise config_error(\n            component,\n"

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphReport, ModelParallelCUDAGraphStrategy, Stage
-from lightning_cudagraph._rollout.preflight import SCOPED_UNDER_FSDP2
+from lightning_cudagraph._rollout.sharding import SCOPED_UNDER_FSDP2
 from tests.fake_backend import FakeBackend
 from tests.helpers import (
     LEVEL_MS,

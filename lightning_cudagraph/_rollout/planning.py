@@ -15,12 +15,8 @@ from lightning_cudagraph._options.activation_checkpoints import check_targets
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
 from lightning_cudagraph._options.levels import Level, Plan, build_levels, replacement_parts, scoped_targets, walk_order
 from lightning_cudagraph._options.scopes import Target, candidate_names, resolve_scopes
-from lightning_cudagraph._rollout.preflight import (
-    DDP_WHOLE_STEP_WARMUP_STEPS,
-    SCOPED_UNDER_FSDP2,
-    check_trainer,
-    check_whole_step_hooks,
-)
+from lightning_cudagraph._rollout.preflight import DDP_WHOLE_STEP_WARMUP_STEPS, check_trainer, check_whole_step_hooks
+from lightning_cudagraph._rollout.sharding import SCOPED_UNDER_FSDP2, scoped_graphs
 
 __all__ = ["plan"]
 
@@ -52,7 +48,7 @@ def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Lightnin
         resolve_scopes(module, [name], config.modules, component)
     levels = []
     whole_model = None if config.impl == "local" else f"impl={config.impl!r} captures layers at most"
-    scoped = getattr(trainer.strategy, "supports_scoped_graphs", True)
+    scoped = scoped_graphs(trainer)
     for level in build_levels(module, config.modules, _whole_step_problem(config, trainer), whole_model):
         try:
             check_targets(level.targets, "scope='auto'")

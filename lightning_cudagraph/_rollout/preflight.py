@@ -34,10 +34,10 @@ from lightning_cudagraph._lightning import anomaly_detection_on
 from lightning_cudagraph._options.compile_options import inductor_graphs_in
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig, Verbatim, config_error
 from lightning_cudagraph._options.hooks import hooked_modules
+from lightning_cudagraph._rollout.sharding import check_sharded, instead_of_the_whole_step, scoped_graphs
 
 __all__ = [
     "DDP_WHOLE_STEP_WARMUP_STEPS",
-    "SCOPED_UNDER_FSDP2",
     "check_ddp_warmup",
     "check_optimizers",
     "check_trainer",
@@ -48,11 +48,6 @@ __all__ = [
 
 #: Eager DDP steps NCCL needs before its all-reduce can be captured (PyTorch's CUDA-graph notes).
 DDP_WHOLE_STEP_WARMUP_STEPS = 11
-#: Why scoped levels are refused under FSDP2 (preflight for a fixed scope, the ladder's plan under ``scope="auto"``).
-SCOPED_UNDER_FSDP2 = (
-    "scoped graphs are refused under FSDP2: each region would hold its own unsharded copy of the parameters it reads,"
-    " the memory FSDP2 exists to save"
-)
 _SUPPORTED_PRECISION = (MixedPrecision, HalfPrecision, DoublePrecision, TransformerEnginePrecision)
 
 
@@ -81,7 +76,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
             "Lightning's own optimizer_step with scope=['full_iteration'] and accumulate_grad_batches > 1",
             "the whole step graphs every micro-batch, so Lightning would call the override for the micro-batches"
             " that only accumulate as well; move its work to a scheduler or on_before_optimizer_step, pass"
-            f" accumulate_grad_batches=1 with a larger batch, or {_instead_of_the_whole_step(trainer)}",
+            f" accumulate_grad_batches=1 with a larger batch, or {instead_of_the_whole_step(trainer)}",
         )
     if not module.automatic_optimization:
         raise config_error(
@@ -89,7 +84,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
             "automatic_optimization",
             False,
             "automatic optimization with scope=['full_iteration']",
-            f"{_instead_of_the_whole_step(trainer, ['attn', 'mlp'])} with manual optimization",
+            f"{instead_of_the_whole_step(trainer, ['attn', 'mlp'])} with manual optimization",
         )
 
 
@@ -117,27 +112,15 @@ def check_whole_step_hooks(config: CUDAGraphConfig, trainer: pl.Trainer, compone
         return
     hooked = hooked_modules(trainer.lightning_module)
     if hooked:
-        keeps = ", which keeps hooks on the captured regions firing" if _scoped_graphs(trainer) else ""
+        keeps = ", which keeps hooks on the captured regions firing" if scoped_graphs(trainer) else ""
         raise config_error(
             component,
             "scope",
             list(config.scope),
             "full_iteration on modules without forward or backward hooks",
             f"{', '.join(hooked[:5])} carry hooks, whose Python would run once at capture and never again; remove"
-            f" them (hook.remove()) for the fit, or {_instead_of_the_whole_step(trainer)}{keeps}",
+            f" them (hook.remove()) for the fit, or {instead_of_the_whole_step(trainer)}{keeps}",
         )
-
-
-def _scoped_graphs(trainer: pl.Trainer) -> bool:
-    """Whether the Trainer's strategy allows scoped graphs (FSDP2 does not: :data:`SCOPED_UNDER_FSDP2`)."""
-    return bool(getattr(trainer.strategy, "supports_scoped_graphs", True))
-
-
-def _instead_of_the_whole_step(trainer: pl.Trainer, scope: list[str] | None = None) -> str:
-    """What a fix offers in place of the whole step: a scoped capture, or eager training where none is allowed."""
-    if _scoped_graphs(trainer):
-        return f"use a scoped capture (scope={scope or ['layer']!r})"
-    return "train eagerly (impl='none'): scoped graphs are refused under FSDP2 too"
 
 
 def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
@@ -180,31 +163,9 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
             " strategy's batch and optimizer-step hooks",
         )
     if sharded:
-        _check_sharded(config, trainer, component)
+        check_sharded(config, trainer, component)
     if isinstance(strategy, DDPStrategy):
         check_ddp_warmup(config, component)
-
-
-def _check_sharded(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
-    """FSDP2: the whole step alone, one optimizer step per batch."""
-    if not config.auto_scope and not config.full_iteration:
-        raise config_error(
-            component,
-            "scope",
-            list(config.scope),
-            "['full_iteration'] or 'auto' under FSDP2",
-            f"{SCOPED_UNDER_FSDP2}; pass scope=['full_iteration'] (strategy='fsdp2_cudagraph_full')",
-        )
-    if trainer.accumulate_grad_batches > 1:
-        raise config_error(
-            component,
-            "Trainer(accumulate_grad_batches=...)",
-            trainer.accumulate_grad_batches,
-            "1 under FSDP2 with CUDA graphs",
-            "a micro-batch that only accumulates must skip FSDP2's reduce-scatter (set_requires_gradient_sync), which"
-            " a captured step cannot switch; pass accumulate_grad_batches=1 with a larger batch, or train eagerly"
-            " (impl='none')",
-        )
 
 
 def check_ddp_warmup(config: CUDAGraphConfig, component: str) -> None:
