@@ -15,6 +15,7 @@ from benchmarks import (
     hf,
     host_read,
     logging_cost,
+    multi_gpu,
     optimizer_graph,
     report,
     run,
@@ -191,6 +192,7 @@ def test_run_refuses_bad_arguments(argv, message, capsys):
         (logging_cost, ["--out", "x", "--timed", "200"], "--timed must be"),
         (scoped_compile, ["--out", "x", "--models", "medium,huge"], "unknown huge"),
         (host_read, ["--out", "x", "--timed", "200"], "--timed must be"),
+        (multi_gpu, ["--out", "x", "--models", "gpt,bert"], "unknown bert"),
     ],
 )
 def test_the_other_scripts_refuse_bad_arguments(module, argv, message, capsys):
@@ -201,7 +203,20 @@ def test_the_other_scripts_refuse_bad_arguments(module, argv, message, capsys):
 
 @pytest.mark.parametrize(
     "module",
-    [run, auto, compile, hf, logging_cost, shapes, audit_cost, zoo, optimizer_graph, host_read, scoped_compile],
+    [
+        run,
+        auto,
+        compile,
+        hf,
+        logging_cost,
+        shapes,
+        audit_cost,
+        zoo,
+        optimizer_graph,
+        host_read,
+        scoped_compile,
+        multi_gpu,
+    ],
 )
 def test_each_gpu_script_says_it_needs_cuda_and_exits_2(module, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
