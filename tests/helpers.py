@@ -222,3 +222,5 @@ def older_than(package: str, version: str) -> bool:
 #: At the floors (torch 2.6, lightning 2.4) a few behaviours of the libraries themselves differ; their tests say which.
 OLD_TORCH = older_than("torch", "2.7")
 OLD_LIGHTNING = older_than("lightning", "2.5")
+#: FSDP2 (``fully_shard``) runs on a CPU device mesh: torch 2.6 lacks the CPU stream events its collectives record.
+FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")

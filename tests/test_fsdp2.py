@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning_cudagraph import Stage
 from lightning_cudagraph._backend.watchdog import EXIT_CODE
 from tests.dist_worker import CASES, COLLECTIVE_TIMEOUT, WARMUP, WATCHDOG_S
+from tests.helpers import FSDP2_ON_CPU
 from tests.test_rank_agreement import TIMEOUT_S, Ranks, launch, launch_once
 
 pytestmark = [
@@ -28,6 +29,10 @@ pytestmark = [
     pytest.mark.skipif(dist.is_available() and not dist.is_gloo_available(), reason="needs the gloo backend"),
     pytest.mark.timeout(2 * TIMEOUT_S + 60),
 ]
+
+
+#: FSDP2 on a CPU device mesh needs a newer torch than the floor (:data:`tests.helpers.FSDP2_ON_CPU`).
+needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch cannot run FSDP2 on a CPU device mesh")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,7 @@ def _close(a: float, b: float, rel: float) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-9)
 
 
+@needs_fsdp2
 def test_the_fsdp2_whole_step_replays_on_both_ranks_and_trains_as_eager_fsdp2(ranks: Callable[[str], Ranks]) -> None:
     rank0, rank1 = ranks("fsdp2_full")
     steps = CASES["fsdp2_full"].max_steps
@@ -66,6 +72,7 @@ def test_the_fsdp2_whole_step_replays_on_both_ranks_and_trains_as_eager_fsdp2(ra
     assert rank0["params"] == rank1["params"], "the gathered parameters are the same on both ranks"
 
 
+@needs_fsdp2
 def test_an_fsdp2_whole_step_capture_that_fails_on_one_rank_rolls_back_both(ranks: Callable[[str], Ranks]) -> None:
     rank0, rank1 = ranks("fsdp2_full_fails")
 
@@ -78,7 +85,7 @@ def test_an_fsdp2_whole_step_capture_that_fails_on_one_rank_rolls_back_both(rank
     assert rank0["params"] == rank1["params"]
 
 
-@pytest.mark.parametrize("case", ["fsdp2_stall", "ddp_stall"])
+@pytest.mark.parametrize("case", [pytest.param("fsdp2_stall", marks=needs_fsdp2), "ddp_stall"])
 def test_the_replay_watchdog_ends_both_ranks_when_one_stops_replaying(tmp_path: Path, case: str) -> None:
     started = time.monotonic()
     returncode, log = launch_once(case, tmp_path)
