@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,6 +190,8 @@ class Built:
     module: ZooModule
     loader: Any
     dataset_tensors: list[Tensor] = field(default_factory=list)
+    #: The user's own callbacks, as they would pass them to the Trainer.
+    callbacks: list[pl.Callback] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -507,8 +510,10 @@ class PythonStep(ZooModule):
     """The device MLP with per-step Python in ``training_step``, as users write it.
 
     ``kind``: ``"skip"`` (every fourth batch returns ``None``), ``"annealed"`` (a loss weight read from
-    ``self.global_step``), ``"epoch_branch"`` (an L2 term from the second epoch on) or ``"outputs_counter"`` (the
-    losses appended to a list read in ``on_train_epoch_end``, and a call counter). The Python state a user would read
+    ``self.global_step``), ``"epoch_branch"`` (an L2 term from the second epoch on), ``"outputs_counter"`` (the
+    losses appended to a list read in ``on_train_epoch_end``, and a call counter), ``"random"`` (an input flip drawn
+    from Python's ``random``) or ``"flag"`` (an L2 term while ``self.regularize`` is set, which :class:`FlagFlipper`
+    turns on from the second epoch). The Python state a user would read
     after the fit (the counter, the epoch means) is copied into the buffer ``python_state``, which the zoo compares.
     """
 
@@ -516,6 +521,7 @@ class PythonStep(ZooModule):
         super().__init__(_mlp(), _classification_loss, _adamw())
         self.kind = kind
         self.calls = 0
+        self.regularize = False
         self.epoch_outputs: list[Tensor] = []
         self.epoch_means: list[float] = []
         self.register_buffer("python_state", torch.zeros(16, dtype=torch.float64))
@@ -525,10 +531,13 @@ class PythonStep(ZooModule):
         self.batch_sums.index_copy_(0, self._slot, checksum(batch_tensors(batch)).view(1))
         if self.kind == "skip" and batch_idx % 4 == 3:
             return None
+        if self.kind == "random" and random.random() < 0.5:
+            inputs, labels = batch
+            batch = (inputs.flip(-1), labels)
         loss = self._loss(self, batch)
         if self.kind == "annealed":
             loss = loss * (1.0 if self.global_step < 8 else 0.1)
-        elif self.kind == "epoch_branch" and self.current_epoch >= 1:
+        elif (self.kind == "epoch_branch" and self.current_epoch >= 1) or (self.kind == "flag" and self.regularize):
             loss = loss + 1e-2 * self.net[0].weight.pow(2).sum()
         elif self.kind == "outputs_counter":
             self.calls += 1
@@ -552,13 +561,22 @@ class PythonStep(ZooModule):
         self.python_state[: len(values)] = torch.tensor(values, dtype=torch.float64)
 
 
+class FlagFlipper(pl.Callback):
+    """A user's callback that turns the module's ``regularize`` flag on from the second epoch."""
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.regularize = trainer.current_epoch >= 1
+
+
 def build_python_step(kind: str) -> Callable[[BuildContext], Built]:
     """A builder of :class:`PythonStep` of ``kind`` on the device ``TensorDataset`` (8 batches an epoch)."""
 
     def build(ctx: BuildContext) -> Built:
         inputs, labels = _device_tensors(ctx, 16 * 8)
         loader = DataLoader(TensorDataset(inputs, labels), batch_size=16, shuffle=False)
-        return Built(PythonStep(kind), loader, [inputs, labels])
+        callbacks: list[pl.Callback] = [FlagFlipper()] if kind == "flag" else []
+        return Built(PythonStep(kind), loader, [inputs, labels], callbacks)
 
     return build
 
@@ -715,6 +733,10 @@ ENTRIES: tuple[Entry, ...] = (
           layer_modules="net.*"),
     Entry("python_outputs_counter", (), "losses appended to a list read in on_train_epoch_end, a call counter",
           build_python_step("outputs_counter"), layer_modules="net.*"),
+    Entry("python_random", (), "training_step flips its inputs when random.random() < 0.5", build_python_step("random"),
+          layer_modules="net.*"),
+    Entry("python_callback_flag", (), "a callback sets a flag the step reads, from the second epoch",
+          build_python_step("flag"), layer_modules="net.*"),
     Entry("device_batch_views", (), "batches are views of a device dataset, 8 epochs", build_device_views,
           layer_modules="net.*"),
     Entry("gpt2_onecycle_clip", HF, "OneCycleLR (betas cycle) + gradient_clip_val=1.0", build_gpt2_onecycle, clip=1.0),

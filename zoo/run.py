@@ -342,7 +342,7 @@ def _train(fit: Fit, entry: Entry, initial: Mapping[str, torch.Tensor], settings
                 max_epochs=-1,
                 accumulate_grad_batches=entry.accumulate,
                 gradient_clip_val=entry.clip,
-                callbacks=[probe, *callbacks],  # the probe first: it reads the report before the package releases
+                callbacks=[probe, *built.callbacks, *callbacks],  # the probe first: it reads the report first
                 logger=False,
                 enable_checkpointing=False,
                 enable_progress_bar=False,
