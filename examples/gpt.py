@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -146,6 +147,18 @@ class GPTModule(pl.LightningModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``--trainer.strategy=fsdp2_cudagraph_full``): shard each block, then the whole model."""
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy) or hasattr(self, "_sharded"):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+        self._sharded = True
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
