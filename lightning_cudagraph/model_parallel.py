@@ -26,11 +26,11 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
 
     The whole step's graph holds FSDP2's all-gathers and reduce-scatters. Parameters are gathered inside the graph
     at every replay and stay sharded between steps; the graph's pool keeps what a step allocates on the way (not yet
-    measured on GPUs). Gradients keep their storage from step to step. Scoped levels (``attn``, ``layer``, ...) are refused: each region would hold its own
-    unsharded copy of the parameters it reads. ``scope="auto"`` therefore tries the whole step alone and keeps it
-    where it is faster than eager. Gradient accumulation is refused until FSDP2's gradient-sync toggles are
-    captured. Registered as ``fsdp2_cudagraph`` (``scope="auto"``) and ``fsdp2_cudagraph_full``, both with every rank
-    data-parallel (``tensor_parallel_size=1``).
+    measured on GPUs). Gradients keep their storage from step to step. Scoped levels (``attn``, ``layer``, ...)
+    are refused: each region would hold its own unsharded copy of the parameters it reads. ``scope="auto"``
+    therefore tries the whole step alone and keeps it where it is faster than eager. Gradient accumulation is
+    refused until FSDP2's gradient-sync toggles are captured. Registered as ``fsdp2_cudagraph`` (``scope="auto"``)
+    and ``fsdp2_cudagraph_full``, both with every rank data-parallel (``tensor_parallel_size=1``).
 
     Args:
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or

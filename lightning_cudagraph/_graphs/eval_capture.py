@@ -9,15 +9,15 @@ the whole loop) runs eagerly with the reason; with ``on_failure="raise"`` the fa
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._trust.evidence import largest_so_far, relative_error
 from lightning_cudagraph._trust.failure import FailurePolicy
+from lightning_cudagraph._trust.shape_cache import GraphCache
 from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["CaptureCost", "EvalGraphCache", "EvalGraphs", "parity_of"]
@@ -70,7 +70,7 @@ def parity_of(reference: Sequence[Tensor], graphed: Sequence[Tensor]) -> float:
     return float(relative_error(list(reference), list(graphed)))
 
 
-class EvalGraphCache(Generic[G]):
+class EvalGraphCache(GraphCache[G]):
     """Evaluation graphs by key, at most ``limit`` of them (least recently used evicted), and the sightings of keys.
 
     Args:
@@ -83,42 +83,29 @@ class EvalGraphCache(Generic[G]):
     """
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._graphs: OrderedDict[Hashable, G] = OrderedDict()
+        super().__init__(limit, reset=lambda graph: graph.reset())
         self._sightings: dict[Hashable, int] = {}
         #: Keys that run eagerly for good (a failed capture or parity check), with the reason.
         self.eager: dict[Hashable, str] = {}
-
-    def get(self, key: Hashable) -> G | None:
-        """The graph of ``key`` (marked as used), or ``None``."""
-        graph = self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-        return graph
 
     def sighted(self, key: Hashable) -> int:
         """Count one more sighting of ``key`` without a graph; the count so far."""
         self._sightings[key] = self._sightings.get(key, 0) + 1
         return self._sightings[key]
 
-    def add(self, key: Hashable, graph: G) -> None:
-        """Hold ``graph`` for ``key``, evicting the least recently used graph beyond :attr:`limit`."""
-        self._graphs[key] = graph
+    def add(self, key: Hashable, item: G) -> None:
+        """Hold ``item`` for ``key`` (its sightings are done), evicting the least recently used graph when full."""
         self._sightings.pop(key, None)
-        while len(self._graphs) > self.limit:
-            _, evicted = self._graphs.popitem(last=False)
-            evicted.reset()
+        super().add(key, item)
 
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def clear(self) -> None:
+    def clear(self) -> list[G]:
         """Reset and forget every graph, sighting and eager key."""
-        graphs, self._graphs = list(self._graphs.values()), OrderedDict()
+        graphs = super().clear()
         self._sightings.clear()
         self.eager.clear()
         for graph in graphs:
             graph.reset()
+        return graphs
 
 
 class CaptureCost:

@@ -20,8 +20,71 @@ from lightning_cudagraph.health import CUDAGraphReport
 T = TypeVar("T")
 
 
-class ShapeCache(Generic[T]):
-    """Graph sets by batch key, least recently used first.
+class GraphCache(Generic[T]):
+    """Graphs by key, at most ``limit`` of them: a new key evicts the one used longest ago, which is reset.
+
+    The one cache of the package's graphs: :class:`ShapeCache` (training, by batch shape, sealable) and the
+    evaluation graphs (:class:`~lightning_cudagraph._graphs.eval_capture.EvalGraphCache`) build on it.
+
+    Args:
+        limit: Most graphs held at once.
+        reset: Frees an evicted graph.
+
+    Example:
+        >>> freed = []
+        >>> cache = GraphCache(2, reset=freed.append)
+        >>> for key in ("a", "b"):
+        ...     cache.add(key, key.upper())
+        >>> cache.get("a")  # "a" is now the most recently used
+        'A'
+        >>> cache.add("c", "C"); freed, cache.keys()
+        (['B'], ['a', 'c'])
+    """
+
+    def __init__(self, limit: int, reset: Callable[[T], None]) -> None:
+        self.limit, self._reset = limit, reset
+        self._items: OrderedDict[Any, T] = OrderedDict()
+
+    def get(self, key: Any) -> T | None:
+        """The graph of ``key`` (marked most recently used), or ``None``."""
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def add(self, key: Any, item: T) -> None:
+        """Hold ``item`` for ``key``, evicting the least recently used graph when full."""
+        while len(self._items) >= self.limit:
+            _, evicted = self._items.popitem(last=False)
+            self._reset(evicted)
+            self._evicted()
+        self._items[key] = item
+
+    def _evicted(self) -> None:
+        """One graph was evicted (a subclass counts it)."""
+
+    def clear(self) -> list[T]:
+        """Forget every graph and return them (the caller resets them)."""
+        items, self._items = list(self._items.values()), OrderedDict()
+        return items
+
+    def keys(self) -> list[Any]:
+        """The keys held, least recently used first."""
+        return list(self._items)
+
+    def values(self) -> Iterator[T]:
+        """The graphs held."""
+        return iter(list(self._items.values()))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+
+class ShapeCache(GraphCache[T]):
+    """Graph sets by batch key, least recently used first; sealable.
 
     Args:
         limit: Most graph sets held at once.
@@ -31,41 +94,30 @@ class ShapeCache(Generic[T]):
 
     Example:
         >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> freed = []
-        >>> cache = ShapeCache(2, CUDAGraphReport(), "CUDAGraphCallback", reset=freed.append)
-        >>> for key in ("a", "b"):
-        ...     cache.add((key,), key.upper())
-        >>> cache.get(("a",))  # "a" is now the most recently used
-        'A'
-        >>> cache.add(("c",), "C"); freed
-        ['B']
+        >>> report = CUDAGraphReport()
+        >>> cache = ShapeCache(1, report, "CUDAGraphCallback", reset=lambda item: None)
+        >>> cache.add(("a",), "A"); cache.add(("b",), "B")
+        >>> report.evictions, cache.admits(("c",)), sorted(cache.known)
+        (1, True, [('a',), ('b',)])
     """
 
     def __init__(self, limit: int, report: CUDAGraphReport, component: str, reset: Callable[[T], None]) -> None:
-        self.limit, self.report, self.component, self._reset = limit, report, component, reset
-        self._items: OrderedDict[tuple[Any, ...], T] = OrderedDict()
+        super().__init__(limit, reset)
+        self.report, self.component = report, component
         #: Every shape captured so far, held or not: once sealed, these may be captured again (an evicted shape, or
         #: the shapes of an earlier level of ``scope="auto"``).
         self.known: set[tuple[Any, ...]] = set()
         self.sealed = False
         self._thrash_warned = False
 
-    def get(self, key: tuple[Any, ...]) -> T | None:
-        """The graph set of ``key`` (marked most recently used), or ``None``."""
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-        return item
-
     def add(self, key: tuple[Any, ...], item: T) -> None:
-        """Hold ``item`` for ``key``, evicting the least recently used set when full."""
-        while len(self._items) >= self.limit:
-            _, evicted = self._items.popitem(last=False)
-            self._reset(evicted)
-            self.report.evictions += 1
-            self._warn_if_thrashing()
-        self._items[key] = item
+        """Hold ``item`` for ``key``, evicting the least recently used set when full; the shape is known from now."""
+        super().add(key, item)
         self.known.add(key)
+
+    def _evicted(self) -> None:
+        self.report.evictions += 1
+        self._warn_if_thrashing()
 
     def seal(self, known: AbstractSet[tuple[Any, ...]] = frozenset()) -> None:
         """Close the set of shapes to those captured so far (and ``known``): any other shape is an error."""
@@ -85,24 +137,9 @@ class ShapeCache(Generic[T]):
             " later (seal_after_steps), or do not seal."
         )
 
-    def clear(self) -> list[T]:
-        """Forget every graph set and return them (the caller resets them)."""
-        items, self._items = list(self._items.values()), OrderedDict()
-        return items
-
     def shapes(self) -> list[tuple[Any, ...]]:
         """The batch keys held, least recently used first."""
-        return list(self._items)
-
-    def values(self) -> Iterator[T]:
-        """The graph sets held."""
-        return iter(list(self._items.values()))
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
+        return self.keys()
 
     def _warn_if_thrashing(self) -> None:
         if not self._thrash_warned and self.report.evictions >= 2 * self.limit:
