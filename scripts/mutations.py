@@ -356,8 +356,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_trust/evidence.py",
-        "            if tensor.data_ptr() != address:\n",
-        "            if False:\n",
+        '        if moved:\n            return f"address_changed',
+        '        if False:\n            return f"address_changed',
         "a parameter rebound after confirmation is never noticed: graphs read the old storage",
         "tests/test_lifecycle_scoped.py::test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay",
         "tests/test_lifecycle_full.py::test_a_parameter_rebound_after_confirmation_rolls_back_before_the_next_replay",

@@ -274,17 +274,20 @@ def tensor_addresses(module: torch.nn.Module) -> dict[str, int]:
     return {name: tensor.data_ptr() for name, tensor in named}
 
 
-def moved_since(addresses: dict[str, int], module: torch.nn.Module) -> list[str]:
-    """The parameters and buffers of ``module`` not at the :func:`tensor_addresses` taken then (rebound, added).
+def moved_since(then: dict[str, int], now: dict[str, int]) -> list[str]:
+    """The one check that tensors a graph reads moved: names whose storage differs from ``then``, or that came or went.
+
+    ``then`` and ``now`` map names to data pointers (:func:`tensor_addresses`, or a watch's own tensors).
 
     Example:
         >>> layer = torch.nn.Linear(2, 2)
         >>> then = tensor_addresses(layer)
         >>> layer.weight.data = layer.weight.data.clone()
-        >>> moved_since(then, layer)
+        >>> moved_since(then, tensor_addresses(layer))
         ['weight']
     """
-    return [name for name, address in tensor_addresses(module).items() if addresses.get(name) != address]
+    changed = [name for name, address in now.items() if then.get(name) != address]
+    return changed + [name for name in then if name not in now]
 
 
 def autocast_of(signature: CallSignature) -> Any:

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._backend.backend import RegionGraphs
 from lightning_cudagraph._backend.compiling import CompiledForwards
-from lightning_cudagraph._backend.local import moved_since
+from lightning_cudagraph._backend.local import moved_since, tensor_addresses
 from lightning_cudagraph._backend.signature import (
     call_key,
     call_signature,
@@ -233,7 +233,7 @@ class CallRouter:
         self, route: StepRoute, entry: ReplayEntry, forward: TargetForward, args: tuple[Any, ...], kwargs: dict
     ) -> Any:
         region = entry.region
-        moved = moved_since(region.addresses, forward.module)
+        moved = moved_since(region.addresses, tensor_addresses(forward.module))
         if moved:
             route.problem = f"address_changed: {region.name}.{moved[0]} is not the tensor the graph was captured with"
             route.fallback_reason = "confirmation failed"

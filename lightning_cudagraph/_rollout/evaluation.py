@@ -39,7 +39,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._backend.backend import CaptureBackend
-from lightning_cudagraph._backend.local import tensor_addresses
+from lightning_cudagraph._backend.local import moved_since, tensor_addresses
 from lightning_cudagraph._graphs.eval_regions import EvalRegionGraphs
 from lightning_cudagraph._graphs.eval_step import EvalStepGraphs
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
@@ -128,7 +128,7 @@ class EvaluationGraphs:
             return
         assert backend is not None
         addresses = tensor_addresses(trainer.lightning_module)
-        if self._backend is not backend or addresses != self._addresses:
+        if self._backend is not backend or moved_since(self._addresses, addresses):
             # A new fit, a loop outside one, or parameters and buffers rebound since the graphs were captured
             # (``p.data = ...``, a ``.to()``): graphs that read the old tensors go, and are captured again.
             self.release()

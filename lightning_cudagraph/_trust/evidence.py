@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_cudagraph._backend.local import moved_since
+
 
 def largest_so_far(previous: float, *errors: float) -> float:
     """The largest difference from eager seen so far: ``previous`` (NaN before any check) and ``errors``.
@@ -108,14 +110,16 @@ class StateWatch:
         tensors = self._tensors
         if [t.requires_grad for t in tensors] == self._flags and [t.data_ptr() for t in tensors] == self._addresses:
             return self._module_problem()
-        for name, tensor, trainable, address in self._watched:
+        for name, tensor, trainable, _ in self._watched:
             if tensor.requires_grad is not trainable:
                 return (
                     f"trainable_changed: {name}.requires_grad {trainable} -> {tensor.requires_grad}; the graphs"
                     " compute gradients for the parameters that were trainable at capture"
                 )
-            if tensor.data_ptr() != address:
-                return f"address_changed: {name} is not the tensor the graphs were captured with (it was rebound)"
+        then = {name: address for name, _, _, address in self._watched}
+        moved = moved_since(then, {name: tensor.data_ptr() for name, tensor, _, _ in self._watched})
+        if moved:
+            return f"address_changed: {moved[0]} is not the tensor the graphs were captured with (it was rebound)"
         return None
 
     def _module_problem(self) -> str | None:
