@@ -40,7 +40,15 @@ from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy, ModelPara
 from lightning_cudagraph._backend import watchdog  # noqa: E402
 from lightning_cudagraph._rollout.ladder import MAX_MEASURE_STEPS  # noqa: E402
 from tests.fake_backend import FakeBackend  # noqa: E402
-from tests.helpers import LEVEL_MS, LossRecorder, RebindAt, graph_callback, timed_by_level, trainer  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    LEVEL_MS,
+    LossRecorder,
+    RaiseAtStep,
+    RebindAt,
+    graph_callback,
+    timed_by_level,
+    trainer,
+)
 from tests.models import TINY, TINY_DATA, DecoderModule, decoder  # noqa: E402
 
 #: A collective that waits longer than this raises instead of hanging (the test's own timeout is the last resort).
@@ -48,6 +56,8 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 #: A rank still running after this long prints every thread's stack to the launch log and exits: a hang outside any
 #: collective (a rendezvous, a teardown) then fails the test with the place it hung, before the test's own timeout.
 HANG_S = 150
+
+
 #: The replay watchdog's bound in the stall cases; its grace period is set to :data:`WATCHDOG_GRACE_S` for them.
 WATCHDOG_S = 3.0
 WATCHDOG_GRACE_S = 2.0
@@ -116,6 +126,7 @@ class Case:
             graphed fit runs :class:`~lightning_cudagraph.ModelParallelCUDAGraphStrategy` and the reference Lightning's
             ``ModelParallelStrategy``.
         replay_timeout_s: The replay watchdog's bound (the strategy's option).
+        raises: The fit raises on some rank: each rank reports its error and the graphs it still holds.
     """
 
     options: dict[str, Any]
@@ -126,6 +137,7 @@ class Case:
     accumulate: int = 1
     sharded: bool = False
     replay_timeout_s: float | None = None
+    raises: bool = False
 
 
 def _fails_on_rank_1(**rank_1: Any) -> dict[int, Callable[[], dict[str, Any]]]:
@@ -181,6 +193,15 @@ CASES: dict[str, Case] = {
         _fails_on_rank_1(fail_step_late=RuntimeError("injected: whole-step capture failed on rank 1")),
         max_steps=10,
         sharded=True,
+    ),
+    # FSDP2: rank 1 raises in a callback once the whole step replays; rank 0 waits in the next replay's collectives.
+    "fsdp2_raises": Case(
+        {"scope": ["full_iteration"], "warmup_steps": WARMUP},
+        callbacks={1: lambda: [RaiseAtStep(WARMUP + 4, "injected: user error on rank 1")]},
+        max_steps=10,
+        sharded=True,
+        replay_timeout_s=WATCHDOG_S,
+        raises=True,
     ),
     # FSDP2: rank 1 stops at its third replay; rank 0 waits in the replay's collectives until the watchdog fires.
     "fsdp2_stall": Case(
@@ -322,7 +343,14 @@ def run_case(name: str, rank: int) -> dict[str, Any]:
     backend = LateStepFailure(**case.backend.get(rank, dict)())
     strategy.capture_backend = backend
     extra = case.callbacks.get(rank, list)()
-    run, losses, model = _fit(strategy, case.max_steps, extra, case.log_every_n_steps, case.accumulate, case.sharded)
+    try:
+        run, losses, model = _fit(
+            strategy, case.max_steps, extra, case.log_every_n_steps, case.accumulate, case.sharded
+        )
+    except RuntimeError as error:  # what the rank holds once Lightning's exception path ran
+        if not case.raises:
+            raise
+        return {"case": name, "rank": rank, "error": str(error), "live_graphs": backend.live_graphs}
 
     return {
         "case": name,

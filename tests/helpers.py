@@ -93,14 +93,14 @@ class LossRecorder(pl.Callback):
 
 
 class RaiseAtStep(pl.Callback):
-    """Fails the fit at the start of optimizer step ``step``."""
+    """Fails the fit at the start of optimizer step ``step`` with ``error`` (a ``RuntimeError`` by default)."""
 
-    def __init__(self, step: int, message: str | None = None) -> None:
-        self.step, self.message = step, message or f"user error at step {step}"
+    def __init__(self, step: int, message: str | None = None, error: type[Exception] = RuntimeError) -> None:
+        self.step, self.message, self.error = step, message or f"user error at step {step}", error
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            raise RuntimeError(self.message)
+            raise self.error(self.message)
 
 
 class RebindAt(pl.Callback):

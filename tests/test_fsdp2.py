@@ -9,6 +9,7 @@ the collectives' own timeout (60 s in the worker).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -104,3 +105,23 @@ def test_the_replay_watchdog_ends_both_ranks_when_one_stops_replaying(tmp_path: 
 def _replayed_step(log: str) -> Any:
     marker = "for replayed step "
     return log.split(marker, 1)[1].split(" ", 1)[0]
+
+
+@needs_fsdp2
+def test_an_exception_on_one_rank_releases_the_graphs_of_both_without_a_hang(tmp_path: Path) -> None:
+    # Rank 1 raises in a user's callback while the whole step replays; rank 0 is then inside a replay's collectives.
+    started = time.monotonic()
+    returncode, log = launch_once("fsdp2_raises", tmp_path)
+
+    assert returncode is not None, "the launch ended by itself"
+    assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds()
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert (rank1["error"], rank1["live_graphs"]) == ("injected: user error on rank 1", 0)
+    # Rank 0 learns it from its collective, which fails once rank 1 is gone (gloo: "Connection closed by peer"),
+    # or, should rank 1 take longer to leave than the bound, from its watchdog, which ends the process.
+    report = tmp_path / "rank0.json"
+    if report.exists():
+        rank0 = json.loads(report.read_text())
+        assert rank0["live_graphs"] == 0 and rank0["error"], rank0
+    else:
+        assert "replay watchdog: rank 0 waited" in log and f"exitcode  : {EXIT_CODE}" in log
