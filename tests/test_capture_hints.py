@@ -6,10 +6,10 @@ import pytest
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy
 from tests.fake_backend import FakeBackend
-from tests.helpers import graph_callback, trainer
+from tests.helpers import LossRecorder, graph_callback, trainer
 
 pytest.importorskip("transformers")
-from tests.hf_models import hf_causal_lm
+from tests.hf_models import LAYERS, hf_causal_lm
 
 CPU = {"accelerator": "cpu", "devices": 1}
 FIX = "set_experts_implementation('grouped_mm')"
@@ -47,3 +47,25 @@ def test_eager_moe_experts_whose_operations_follow_the_routing_name_the_experts_
     assert reason.startswith("rollback: step_python: training_step launched other operations"), reason
     assert "model.model.layers.0.mlp.experts runs Hugging Face's eager MoE experts" in reason, reason
     assert reason.endswith(f"Fix: model.{FIX} (or 'batched_mm') before the fit: both route on the device"), reason
+
+
+def test_a_layer_whose_router_logits_transformers_records_by_hook_stays_eager_and_trains_as_eager():
+    """transformers 5 collects ``router_logits`` with a hook on each router, inside the layer: a replay fires none."""
+    pytest.importorskip("transformers.utils.output_capturing", reason="transformers records outputs by hooks from 5.0")
+    losses = {}
+    for graphs in (False, True):
+        model, data = hf_causal_lm("qwen3_moe", output_router_logits=True)  # the router's auxiliary loss is on
+        recorder = LossRecorder()
+        callbacks: list = [recorder]
+        if graphs:
+            callback = CUDAGraphCallback(scope=["layer"], warmup_steps=2)
+            callback.capture_backend = FakeBackend()
+            callbacks.append(callback)
+        trainer(5, callbacks, **CPU).fit(model, data)
+        losses[graphs] = recorder.losses
+
+    reasons = callback.report.exclusions
+    assert sorted(reasons) == [f"model.model.layers.{i}" for i in range(LAYERS)], reasons
+    for reason in reasons.values():
+        assert reason.startswith("hooks_inside: Hugging Face transformers records router_logits from mlp.gate"), reason
+    assert losses[True] == losses[False], "the layers ran eagerly, with the router's auxiliary loss"

@@ -13,6 +13,7 @@ the modules *inside* a region ran during eager warmup only; :func:`inner_hook_co
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -132,3 +133,38 @@ def _swap_out(owner: object, name: str) -> tuple[object, str, OrderedDict]:
     original = getattr(owner, name)
     setattr(owner, name, OrderedDict())
     return owner, name, original
+
+
+def recorded_outputs(region: nn.Module) -> list[str]:
+    """What Hugging Face transformers records, in the forward running now, from hooks on modules inside ``region``.
+
+    transformers 5 collects ``router_logits``, ``attentions`` or ``hidden_states`` with forward hooks on submodules,
+    active while the model's forward asks for them. Inside a region they do not fire while it replays, so the
+    model would compute without them (an empty router-logits list, a short list of hidden states). The region's own
+    hooks fire around its replay and are not counted. Empty without transformers' output recording.
+
+    Example:
+        >>> recorded_outputs(nn.Sequential(nn.Linear(2, 2)))
+        []
+    """
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(getattr(capturing, "_active_collector", None), "get", lambda: None)()
+    if not collector:
+        return []
+    found = []
+    for name, module in region.named_modules():
+        for hook in module._forward_hooks.values() if name else ():
+            key = _recorded_key(hook)
+            if key is not None and key in collector:
+                found.append(f"{key} from {name}")
+    return found
+
+
+def _recorded_key(hook: object) -> str | None:
+    """The output a transformers output-recording hook collects (``None`` for any other hook)."""
+    code = getattr(hook, "__code__", None)
+    if code is None or code.co_name != "output_capturing_hook":
+        return None
+    cells = dict(zip(code.co_freevars, getattr(hook, "__closure__", None) or (), strict=False))
+    key = cells.get("key")
+    return key.cell_contents if key is not None else None

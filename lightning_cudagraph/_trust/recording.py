@@ -23,6 +23,7 @@ from lightning_cudagraph._backend.signature import (
     distinct_tensors,
     signatures_equal,
 )
+from lightning_cudagraph._options.hooks import recorded_outputs
 from lightning_cudagraph._options.scopes import Target
 from lightning_cudagraph._trust.observation import Behaviour, frozen_by_a_graph
 
@@ -35,6 +36,8 @@ class StepRecord:
     calls: list[tuple[int, CallSignature]] = field(default_factory=list)
     samples: dict[int, list[Tensor]] = field(default_factory=dict)
     behaviours: dict[int, Behaviour] = field(default_factory=dict)
+    #: Per target: the outputs transformers records with hooks inside it, which its replay would not fire.
+    recorded_outputs: dict[int, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,8 +107,12 @@ class WarmupRecorder:
         """Record one call of target ``index``."""
         if self._current is None:
             return
-        signature = call_signature(self._targets[index].module, args, kwargs)
+        module = self._targets[index].module
+        signature = call_signature(module, args, kwargs)
         self._current.calls.append((index, signature))
+        recorded = recorded_outputs(module)
+        if recorded:
+            self._current.recorded_outputs.setdefault(index, recorded)
         if self._keep_samples:
             self._current.samples[index] = [_sample_of(t) for t in distinct_tensors(signature, args, kwargs)]
 
@@ -180,6 +187,13 @@ class WarmupRecorder:
                 return plan
             if not first.grad_enabled or not first.training:
                 plan.skipped[target.name] = "runs without grad or in eval mode during training steps"
+                continue
+            recorded = next((step.recorded_outputs[index] for step in steps if index in step.recorded_outputs), None)
+            if recorded:
+                plan.python[target.name] = plan.skipped[target.name] = (
+                    f"hooks_inside: Hugging Face transformers records {', '.join(recorded[:3])} with forward hooks,"
+                    " which do not fire while the region replays (the model would lose those outputs)"
+                )
                 continue
             # The first call may set things up (a lazy cache); calls are compared from the second on.
             python = frozen_by_a_graph([step.behaviours[index] for step in steps if index in step.behaviours])
