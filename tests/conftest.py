@@ -43,3 +43,18 @@ def _no_process_group_left_behind():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """``ranks(case)``: the two ranks' reports of a ``tests/dist_worker.py`` case, launched once per test module."""
+    from tests.test_rank_agreement import launch  # the launcher of the two-process tests
+
+    done = {}
+
+    def run(case):
+        if case not in done:
+            done[case] = launch(case, tmp_path_factory.mktemp(case))
+        return done[case]
+
+    return run

@@ -33,7 +33,6 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make ``tests`` and the pa
 
 import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_cudagraph import CUDAGraphReport, DDPCUDAGraphStrategy, ModelParallelCUDAGraphStrategy  # noqa: E402
@@ -49,7 +48,7 @@ from tests.helpers import (  # noqa: E402
     timed_by_level,
     trainer,
 )
-from tests.models import TINY, TINY_DATA, DecoderModule, decoder  # noqa: E402
+from tests.models import TINY, TINY_DATA, DecoderModule, ShardedDecoder, decoder  # noqa: E402
 
 #: A collective that waits longer than this raises instead of hanging (the test's own timeout is the last resort).
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
@@ -256,16 +255,6 @@ def optimizer_fingerprint(optimizer: torch.optim.Optimizer) -> dict[str, float]:
             if isinstance(value, torch.Tensor):
                 sums[key] = sums.get(key, 0.0) + float(_whole(value).double().abs().sum())
     return sums
-
-
-class ShardedDecoder(DecoderModule):
-    """The test decoder under FSDP2: each block, then the whole model, sharded over the data-parallel ranks."""
-
-    def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self, mesh=mesh)
 
 
 def _plain(value: float) -> float | None:

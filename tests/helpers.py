@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from lightning_cudagraph import CUDAGraphCallback
@@ -224,3 +225,5 @@ OLD_TORCH = older_than("torch", "2.7")
 OLD_LIGHTNING = older_than("lightning", "2.5")
 #: FSDP2 (``fully_shard``) runs on a CPU device mesh: torch 2.6 lacks the CPU stream events its collectives record.
 FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
+#: A fit under FSDP2 on a CPU device mesh needs it; refusals before the fit do not.
+needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch cannot run FSDP2 on a CPU device mesh")

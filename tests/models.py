@@ -374,6 +374,18 @@ def _arguments(cls: type) -> set[str]:
     return names
 
 
+class ShardedDecoder(DecoderModule):
+    """The test decoder under FSDP2: each block, then the whole model, sharded over the data-parallel ranks."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard  # torch.distributed may be absent: imported when used
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
 def decoder(
     size: dict[str, Any], module: type[DecoderModule] = DecoderModule, **overrides: Any
 ) -> tuple[DecoderModule, TokenData]:

@@ -22,31 +22,14 @@ import torch.distributed as dist
 from lightning_cudagraph import Stage
 from lightning_cudagraph._backend.watchdog import EXIT_CODE
 from tests.dist_worker import CASES, COLLECTIVE_TIMEOUT, WARMUP, WATCHDOG_S
-from tests.helpers import FSDP2_ON_CPU
-from tests.test_rank_agreement import TIMEOUT_S, Ranks, launch, launch_once
+from tests.helpers import needs_fsdp2
+from tests.test_rank_agreement import TIMEOUT_S, Ranks, launch_once
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built into this torch"),
     pytest.mark.skipif(dist.is_available() and not dist.is_gloo_available(), reason="needs the gloo backend"),
     pytest.mark.timeout(2 * TIMEOUT_S + 60),
 ]
-
-
-#: FSDP2 on a CPU device mesh needs a newer torch than the floor (:data:`tests.helpers.FSDP2_ON_CPU`).
-needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch cannot run FSDP2 on a CPU device mesh")
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Ranks]:
-    """``ranks(case)``: the two ranks' reports of a case, launched once per module."""
-    done: dict[str, Ranks] = {}
-
-    def run(case: str) -> Ranks:
-        if case not in done:
-            done[case] = launch(case, tmp_path_factory.mktemp(case))
-        return done[case]
-
-    return run
 
 
 def _close(a: float, b: float, rel: float) -> bool:

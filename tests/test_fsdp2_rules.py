@@ -22,42 +22,29 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphReport, ModelParallelCUDAGraphStrategy, Stage
 from lightning_cudagraph._rollout.sharding import SCOPED_UNDER_FSDP2
 from tests.fake_backend import FakeBackend
 from tests.helpers import (
-    FSDP2_ON_CPU,
     LEVEL_MS,
     LossRecorder,
     StepCounter,
     assert_losses_close,
     graph_callback,
+    needs_fsdp2,
     timed_by_level,
     trainer,
 )
-from tests.models import TINY, TINY_DATA, DecoderModule, decoder
+from tests.models import TINY, TINY_DATA, DecoderModule, ShardedDecoder, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
 STRATEGY = "ModelParallelCUDAGraphStrategy"
 SCOPED_LEVELS = ["attn", "attn+mlp", "layer", "model"]
-#: A fit under FSDP2 on a CPU device mesh needs a newer torch than the floor; refusals before the fit do not.
-needs_fsdp2 = pytest.mark.skipif(not FSDP2_ON_CPU, reason="this torch cannot run FSDP2 on a CPU device mesh")
 
 
 # =================================================================== models
-class ShardedDecoder(DecoderModule):
-    """The test decoder under FSDP2: each block, then the whole model, sharded over the data-parallel ranks."""
-
-    def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self, mesh=mesh)
-
-
 class HookedBeforeSharding(ShardedDecoder):
     """A user's forward hook on the first block, registered when the model is built (before ``fully_shard``)."""
 

@@ -138,19 +138,6 @@ def _tail(log: str, lines: int = 80) -> str:
     return "\n".join(log.splitlines()[-lines:])
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Ranks]:
-    """``ranks(case)``: the two ranks' reports of a case, launched once per module."""
-    done: dict[str, Ranks] = {}
-
-    def run(case: str) -> Ranks:
-        if case not in done:
-            done[case] = launch(case, tmp_path_factory.mktemp(case))
-        return done[case]
-
-    return run
-
-
 def assert_trained_alike(rank0: dict[str, Any], rank1: dict[str, Any], steps: int) -> None:
     """Both ranks finished every step, with finite losses, and hold the very same parameters."""
     for report in (rank0, rank1):
