@@ -1,80 +1,45 @@
-"""What both kinds of evaluation graph share: the trust rule, the per-key cache, and the loop's figures.
+"""The lifecycle both kinds of evaluation graph share: the cache by key, the decision, the checked capture.
 
 An evaluation graph (a whole evaluation step, or one region's forward) is captured on the second time its key is
 seen (the first run is its eager warmup), replayed once on the capture's inputs and compared with the eager result
-of the same inputs before it is trusted. A graph that fails its capture or that check is dropped, and that key (or
-the whole loop) runs eagerly with the reason; with ``on_failure="raise"`` the failure raises instead.
+of the same inputs before it is trusted. A graph that fails its capture or that check is dropped, and its key runs
+eagerly with the reason; with ``on_failure="raise"`` the failure raises instead.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
+import torch
 from torch import Tensor
 
-from lightning_cudagraph._backend.backend import CaptureBackend
+from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
 from lightning_cudagraph._trust.evidence import largest_so_far, relative_error
 from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph._trust.shape_cache import GraphCache
 from lightning_cudagraph.health import EvaluationRecord
 
-__all__ = ["CaptureCost", "EvalGraphCache", "EvalGraphs", "parity_of"]
+__all__ = ["EvalGraphCache", "EvalGraphs", "Failure"]
 
 
 class Resettable(Protocol):
-    """A cached evaluation graph: frees its graph on :meth:`reset`."""
+    """A cached evaluation graph: it holds its graph and frees it on :meth:`reset`."""
+
+    graph: StepGraph | None
 
     def reset(self) -> None:
         """Free the graph and its buffers."""
 
 
 G = TypeVar("G", bound=Resettable)
-
-
-class EvalGraphs:
-    """What both kinds of evaluation graphs hold: the backend, the loop's figures, the failure rule, the tolerance.
-
-    Args:
-        backend: Captures and replays (its pool is the training graphs' pool during a fit).
-        record: The evaluation figures of the report.
-        policy: What a failed capture or parity check does.
-        component: Named in messages.
-        tolerance: Largest relative difference between a graph and the eager result allowed.
-
-    Example:
-        >>> graphs = EvalGraphs(backend, record, policy, "CUDAGraphStrategy", 1e-4)  # doctest: +SKIP
-    """
-
-    def __init__(
-        self, backend: CaptureBackend, record: EvaluationRecord, policy: FailurePolicy, component: str, tolerance: float
-    ) -> None:
-        self.backend, self.record, self.policy = backend, record, policy
-        self.component, self.tolerance = component, tolerance
-
-    def fail(self, reason: str, error: BaseException | None = None) -> None:
-        """Say loudly why this graph is not used, or raise (``on_failure="raise"``); the reason lands in the record."""
-        self.record.reason = reason
-        self.policy.fail(
-            f"evaluation graphs failed: {reason}",
-            error,
-            eager_message=f"{self.component}: evaluation runs eagerly here: {reason}",
-        )
-
-
-def parity_of(reference: Sequence[Tensor], graphed: Sequence[Tensor]) -> float:
-    """Largest relative difference between the eager and the graphed tensors (one host sync, at capture only)."""
-    if not reference and not graphed:
-        return 0.0
-    return float(relative_error(list(reference), list(graphed)))
+#: Why a capture was not kept, and the error behind it.
+Failure = tuple[str, BaseException | None]
 
 
 class EvalGraphCache(GraphCache[G]):
-    """Evaluation graphs by key, at most ``limit`` of them (least recently used evicted), and the sightings of keys.
-
-    Args:
-        limit: Most graphs held.
+    """Evaluation graphs by key (least recently used evicted), the sightings of keys, and the keys kept eager.
 
     Example:
         >>> cache = EvalGraphCache(limit=2)
@@ -108,32 +73,110 @@ class EvalGraphCache(GraphCache[G]):
         return graphs
 
 
-class CaptureCost:
-    """What one capture costs: host time, and the memory it adds to the pool plus its static inputs.
+class EvalGraphs(Generic[G]):
+    """Evaluation graphs of one kind: what to do with a key, and the capture that is checked before it is kept.
+
+    A kind supplies its key, what its graph holds (:meth:`capture`'s ``body``) and its replay.
 
     Args:
-        backend: Reads the pool (once before and once after: a capture-time cost, never per replay).
-        static: The tensors the graph reads across replays that were made for it (its static inputs).
-
-    Example:
-        >>> cost = CaptureCost(backend, inputs)  # doctest: +SKIP
-        >>> graph = backend.capture_step(body)  # doctest: +SKIP
-        >>> cost.count(record, parity, live=lambda: 1)  # doctest: +SKIP
+        backend: Captures and replays (its pool is the training graphs' pool during a fit).
+        record: The evaluation figures of the report.
+        policy: What a failed capture or parity check does.
+        component: Named in messages.
+        tolerance: Largest relative difference between a graph and the eager result allowed.
+        limit: Most graphs held.
     """
 
-    def __init__(self, backend: CaptureBackend, static: Sequence[Tensor]) -> None:
-        self.backend = backend
-        self._inputs_mib = sum(t.numel() * t.element_size() for t in static) / 2**20
-        self._pool_mib = backend.pool_mib()
-        self._started = time.perf_counter()
+    def __init__(
+        self,
+        backend: CaptureBackend,
+        record: EvaluationRecord,
+        policy: FailurePolicy,
+        component: str,
+        tolerance: float,
+        limit: int,
+    ) -> None:
+        self.backend, self.record, self.policy = backend, record, policy
+        self.component, self.tolerance = component, tolerance
+        self.cache: EvalGraphCache[G] = EvalGraphCache(limit)
 
-    def elapsed_ms(self) -> float:
-        """Host milliseconds since the capture began."""
-        return (time.perf_counter() - self._started) * 1e3
+    def decide(self, key: Hashable, room: bool = True) -> G | bool:
+        """What a call of ``key`` does: replay the graph returned, capture it (``True``), or run eagerly (``False``).
 
-    def count(self, record: EvaluationRecord, error: float, live: Callable[[], int]) -> None:
-        """A trusted capture: the record's counters, the largest parity error, the memory and time it took."""
-        record.captures += 1
-        record.graphs = live()
-        record.memory_mib += max(self.backend.pool_mib() - self._pool_mib, 0.0) + self._inputs_mib
-        record.parity_err = largest_so_far(record.parity_err, error)
+        A key that failed before runs eagerly, counted as a fallback; a key's first sighting is its eager warmup.
+        """
+        graph = self.cache.get(key)
+        if graph is not None:
+            return graph
+        reason = self.cache.eager.get(key)
+        if reason is not None:
+            self.fallback(reason)
+            return False
+        return self.cache.sighted(key) >= 2 and room
+
+    def fallback(self, reason: str) -> None:
+        """Count one call run eagerly with ``reason``."""
+        self.record.fallbacks += 1
+        self.record.reason = reason
+
+    def capture(
+        self,
+        key: Hashable,
+        graph: G,
+        body: Callable[[], None],
+        modules: Sequence[torch.nn.Module],
+        static: Sequence[Tensor],
+        checked: tuple[Sequence[Tensor], Callable[[], Sequence[Tensor]]],
+        what: str,
+    ) -> Failure | None:
+        """Capture ``body`` into ``graph``, replay it once and keep it if it gives the eager result; else the failure.
+
+        ``checked`` is the eager result and a reader of the graph's; ``static`` the inputs made for the graph (their
+        memory is counted). A graph not kept is reset and its key stays eager; the caller hands the failure to
+        :meth:`fail` once its eager result is in place.
+        """
+        pool_mib, started = self.backend.pool_mib(), time.perf_counter()
+        error: Exception | None = None
+        try:
+            with self.backend.preserved(modules), self.backend.failure_guard():
+                graph.graph = self.backend.capture_step(body)
+            graph.graph.replay()  # on the capture's inputs: it must give the eager result
+        except Exception as err:  # the key stays eager, loudly (or raises)
+            error = err
+        if error is not None:
+            return self._drop(key, graph, f"eval_capture_failed: {what}: {type(error).__name__}: {error}", error)
+        reference, graphed = list(checked[0]), list(checked[1]())
+        parity = float(relative_error(reference, graphed)) if reference or graphed else 0.0  # one sync, at capture
+        self.record.capture_ms += (time.perf_counter() - started) * 1e3
+        if parity > self.tolerance:
+            reason = (
+                f"eval_parity: the evaluation graph of {what} differs from the eager run on the same inputs (relative"
+                f" error {parity:.3g} > {self.tolerance:.3g}); it stays eager"
+            )
+            return self._drop(key, graph, reason, None)
+        self.cache.add(key, graph)
+        self.record.captures += 1
+        self.record.graphs = len(self.cache)
+        inputs_mib = sum(t.numel() * t.element_size() for t in static) / 2**20
+        self.record.memory_mib += max(self.backend.pool_mib() - pool_mib, 0.0) + inputs_mib
+        self.record.parity_err = largest_so_far(self.record.parity_err, parity)
+        return None
+
+    def _drop(self, key: Hashable, graph: G, reason: str, error: BaseException | None) -> Failure:
+        graph.reset()
+        self.cache.eager[key] = reason
+        return reason, error
+
+    def fail(self, reason: str, error: BaseException | None = None) -> None:
+        """Say loudly why this graph is not used, or raise (``on_failure="raise"``); the reason lands in the record."""
+        self.record.reason = reason
+        self.policy.fail(
+            f"evaluation graphs failed: {reason}",
+            error,
+            eager_message=f"{self.component}: evaluation runs eagerly here: {reason}",
+        )
+
+    def release(self) -> None:
+        """Free every graph (idempotent)."""
+        self.cache.clear()
+        self.record.graphs = 0

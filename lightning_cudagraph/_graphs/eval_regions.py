@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
 from lightning_cudagraph._backend.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
-from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, parity_of
+from lightning_cudagraph._graphs.eval_capture import EvalGraphs
 from lightning_cudagraph._graphs.patched_forward import PatchedForward
 from lightning_cudagraph._trust.failure import FailurePolicy
 from lightning_cudagraph.health import EvaluationRecord
@@ -69,21 +69,12 @@ class RegionForward(PatchedForward):
         return self._owner.call(self, args, kwargs)
 
 
-class EvalRegionGraphs(EvalGraphs):
+class EvalRegionGraphs(EvalGraphs[_RegionGraph]):
     """Forward-only graphs of some regions during evaluation loops, in the backend's pool.
 
     Args:
-        backend: Captures and replays.
-        record: The evaluation figures of the report.
-        policy: What a failed capture or parity check does.
-        component: Named in messages.
-        tolerance: Largest relative difference between a graph and the eager forward allowed.
-        limit: Most graphs held per region (call signatures).
-
-    Example:
-        >>> regions = EvalRegionGraphs(backend, record, policy, "CUDAGraphCallback", 1e-4, 4)  # doctest: +SKIP
-        >>> regions.install([("model.blocks.0", block)])  # at the loop's start  # doctest: +SKIP
-        >>> regions.restore()  # at its end  # doctest: +SKIP
+        See :class:`~lightning_cudagraph._graphs.eval_capture.EvalGraphs` (``limit``: graphs per region, one per call
+        signature).
     """
 
     def __init__(
@@ -95,9 +86,8 @@ class EvalRegionGraphs(EvalGraphs):
         tolerance: float,
         limit: int,
     ) -> None:
-        super().__init__(backend, record, policy, component, tolerance)
         # Every region holds up to ``limit`` signatures; the cache itself never evicts a region for another one.
-        self.cache: EvalGraphCache[_RegionGraph] = EvalGraphCache(limit=1 << 30)
+        super().__init__(backend, record, policy, component, tolerance, limit=1 << 30)
         self.limit = limit
         self._forwards: list[RegionForward] = []
 
@@ -125,15 +115,29 @@ class EvalRegionGraphs(EvalGraphs):
             return self._replay(entry, args, kwargs)
         signature = call_signature(forward.module, args, kwargs)
         key = (forward.name, signature)
-        cached = self.cache.get(key)
-        if cached is not None and cached.graph is not None:
-            return self._replay(cached, args, kwargs)
-        if key in self.cache.eager:
-            self.record.fallbacks += 1
+        decision = self.decide(key, room=forward.captured < self.limit)
+        if isinstance(decision, _RegionGraph):
+            return self._replay(decision, args, kwargs)
+        if not decision:
             return forward.run(*args, **kwargs)
-        if self.cache.sighted(key) < 2 or forward.captured >= self.limit:
-            return forward.run(*args, **kwargs)
-        return self._capture(forward, key, signature, fast, args, kwargs)
+        reference = forward.run(*args, **kwargs)  # the real call, eager
+        entry = _RegionGraph(signature, [t.detach().clone() for t in distinct_tensors(signature, args, kwargs)])
+        static_args, static_kwargs = rebuild_call(signature, entry.inputs)
+
+        def body() -> None:
+            entry.output = forward.run(*static_args, **static_kwargs)
+
+        checked = (_tensor_leaves(reference), lambda: _tensor_leaves(entry.output))
+        failure = self.capture(key, entry, body, [forward.module], entry.inputs, checked, forward.name)
+        if failure is not None:
+            self.fail(*failure)
+            return reference
+        entry.leaves, entry.spec = pytree.tree_flatten(entry.output)
+        if fast is not None:
+            forward.by_key[fast] = entry
+        forward.captured += 1
+        rank_zero_info(f"{self.component}: captured the forward of {forward.name} for evaluation")
+        return reference
 
     def _replay(self, entry: _RegionGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for buffer, value in zip(entry.inputs, distinct_tensors(entry.signature, args, kwargs), strict=True):
@@ -146,61 +150,10 @@ class EvalRegionGraphs(EvalGraphs):
         leaves = [next(tensors) if isinstance(leaf, Tensor) else leaf for leaf in entry.leaves or ()]
         return pytree.tree_unflatten(leaves, entry.spec)
 
-    def _capture(
-        self,
-        forward: RegionForward,
-        key: tuple[str, CallSignature],
-        signature: CallSignature,
-        fast: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        reference = forward.run(*args, **kwargs)  # the real call, eager
-        entry = _RegionGraph(signature, [t.detach().clone() for t in distinct_tensors(signature, args, kwargs)])
-        cost = CaptureCost(self.backend, entry.inputs)
-        static_args, static_kwargs = rebuild_call(signature, entry.inputs)
-
-        def body() -> None:
-            entry.output = forward.run(*static_args, **static_kwargs)
-
-        error: Exception | None = None
-        try:
-            with self.backend.preserved([forward.module]), self.backend.failure_guard():
-                entry.graph = self.backend.capture_step(body)
-            entry.graph.replay()
-        except Exception as err:
-            error = err
-        if error is None:
-            parity = parity_of(_tensor_leaves(reference), _tensor_leaves(entry.output))
-            self.record.capture_ms += cost.elapsed_ms()
-            if parity <= self.tolerance:
-                entry.leaves, entry.spec = pytree.tree_flatten(entry.output)
-                self.cache.add(key, entry)
-                if fast is not None:
-                    forward.by_key[fast] = entry
-                forward.captured += 1
-                cost.count(self.record, parity, self._live)
-                rank_zero_info(f"{self.component}: captured the forward of {forward.name} for evaluation")
-                return reference
-            failure = (
-                f"eval_parity: the evaluation graph of {forward.name} differs from its eager forward on the same"
-                f" inputs (relative error {parity:.3g} > {self.tolerance:.3g}); it stays eager in evaluation"
-            )
-        else:
-            failure = f"eval_capture_failed: {forward.name}: {type(error).__name__}: {error}"
-        entry.reset()
-        self.cache.eager[key] = failure
-        self.fail(failure, error)
-        return reference
-
-    def _live(self) -> int:
-        return len(self.cache)
-
     def release(self) -> None:
         """Give the forwards back and free every graph (idempotent)."""
         self.restore()
-        self.cache.clear()
-        self.record.graphs = 0
+        super().release()
 
 
 def _fast_key(args: tuple[Any, ...], kwargs: dict[str, Any], module: torch.nn.Module) -> Any:

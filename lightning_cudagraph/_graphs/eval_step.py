@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
-from lightning_cudagraph._graphs.eval_capture import CaptureCost, EvalGraphCache, EvalGraphs, parity_of
+from lightning_cudagraph._graphs.eval_capture import EvalGraphs
 from lightning_cudagraph._lightning import StepLogs
 from lightning_cudagraph._options.batches import (
     BatchKey,
@@ -78,21 +78,12 @@ class _Plan:
     logs: list[Any] = field(default_factory=list)
 
 
-class EvalStepGraphs(EvalGraphs):
+class EvalStepGraphs(EvalGraphs[EvalStep]):
     """Forward-only graphs of whole evaluation steps, one per step hook and batch key, in the backend's pool.
 
     Args:
-        backend: Captures and replays (its pool is the training graphs' pool during a fit).
-        record: The evaluation figures of the report.
-        policy: What a failed capture or parity check does.
-        component: Named in messages.
-        tolerance: Largest relative difference between a graph and the eager step allowed.
-        limit: Most graphs held (per-shape cache, least recently used evicted).
-
-    Example:
-        >>> graphs = EvalStepGraphs(backend, record, policy, "CUDAGraphStrategy", 1e-4, 4)  # doctest: +SKIP
-        >>> batch = graphs.plan(trainer, "validation_step", batch)  # in batch_to_device  # doctest: +SKIP
-        >>> output = graphs.run(module, lambda: module.validation_step(batch, 0))  # doctest: +SKIP
+        See :class:`~lightning_cudagraph._graphs.eval_capture.EvalGraphs` (``limit``: graphs held, least recently
+        used evicted).
     """
 
     def __init__(
@@ -104,8 +95,7 @@ class EvalStepGraphs(EvalGraphs):
         tolerance: float,
         limit: int,
     ) -> None:
-        super().__init__(backend, record, policy, component, tolerance)
-        self.cache: EvalGraphCache[EvalStep] = EvalGraphCache(limit)
+        super().__init__(backend, record, policy, component, tolerance, limit)
         #: Why every step runs eagerly from now on (a metric updated inside the step), or ``None``.
         self.off: str | None = None
         self._plan: _Plan | None = None
@@ -118,19 +108,15 @@ class EvalStepGraphs(EvalGraphs):
             return batch
         key = batch_key(batch, values=True)
         if key is None:
-            self._count_fallback("opaque_batch: the batch holds something the package cannot see into")
+            self.fallback("opaque_batch: the batch holds something the package cannot see into")
             return batch
         step_key: StepKey = (hook, key)
-        step = self.cache.get(step_key)
-        if step is not None:
-            copy_into(step.static_batch, batch)
-            self._plan = _Plan(step_key, step)
-            return step.static_batch
-        reason = self.cache.eager.get(step_key)
-        if reason is not None:
-            self._count_fallback(reason)
-            return batch
-        if self.cache.sighted(step_key) < 2:  # this key's eager warmup step
+        decision = self.decide(step_key)
+        if isinstance(decision, EvalStep):
+            copy_into(decision.static_batch, batch)
+            self._plan = _Plan(step_key, decision)
+            return decision.static_batch
+        if not decision:
             return batch
         self._plan = _Plan(step_key, EvalStep(own_copy(batch), StepLogs(hook)), capture=True)
         return self._plan.step.static_batch
@@ -166,50 +152,32 @@ class EvalStepGraphs(EvalGraphs):
             eager_logs.reissue(module)
             return reference
         captured = plan.step
-        cost = CaptureCost(self.backend, batch_tensors(captured.static_batch))
-        error: Exception | None = None
 
         def body() -> None:  # what the graph holds; its Python runs while capturing only
             with captured.logs.recorded(module):
                 captured.output = step()
 
-        try:
-            with self.backend.preserved([module]), self.backend.failure_guard():
-                captured.graph = self.backend.capture_step(body)
-            captured.graph.replay()  # on the capture's batch: it must give the eager step's result
-        except Exception as err:  # the step stays eager, loudly (or raises)
-            error = err
-        if error is None:
-            parity = parity_of(_step_tensors(reference, eager_logs), _step_tensors(captured.output, captured.logs))
-            self.record.capture_ms += cost.elapsed_ms()
-            if parity <= self.tolerance:
-                self.cache.add(plan.key, captured)
-                cost.count(self.record, parity, lambda: len(self.cache))
-                rank_zero_info(f"{self.component}: captured {hook} for batch {describe_batch_key(key)} (forward only)")
-                eager_logs.reissue(module)
-                return reference
-            failure = (
-                f"eval_parity: the graph of {hook} differs from the eager step on the same batch (relative error"
-                f" {parity:.3g} > {self.tolerance:.3g}); this batch shape stays eager"
-            )
-        else:
-            failure = f"eval_capture_failed: {hook}: {type(error).__name__}: {error}"
-        captured.reset()
-        self.cache.eager[plan.key] = failure
+        failure = self.capture(
+            plan.key,
+            captured,
+            body,
+            [module],
+            batch_tensors(captured.static_batch),
+            (_step_tensors(reference, eager_logs), lambda: _step_tensors(captured.output, captured.logs)),
+            f"{hook} (batch {describe_batch_key(key)})",
+        )
         eager_logs.reissue(module)  # before a raise: this batch's logs are the eager step's
-        self.fail(failure, error)
+        if failure is not None:
+            self.fail(*failure)
+        else:
+            rank_zero_info(f"{self.component}: captured {hook} for batch {describe_batch_key(key)} (forward only)")
         return reference
-
-    def _count_fallback(self, reason: str) -> None:
-        self.record.fallbacks += 1
-        self.record.reason = reason
 
     def release(self) -> None:
         """Free every graph (idempotent)."""
         self._plan = None
-        self.cache.clear()
         self.off = None
-        self.record.graphs = 0
+        super().release()
 
 
 def _step_tensors(output: Any, logs: StepLogs) -> list[Tensor]:
