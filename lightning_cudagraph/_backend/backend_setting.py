@@ -22,9 +22,8 @@ class HoldsCaptureBackend:
     def capture_backend(self) -> CaptureBackend | None:
         """The capture backend for the next fit; ``None`` uses CUDA on a CUDA device (and graphs off elsewhere).
 
-        A test double or another accelerator's backend (a
-        :class:`~lightning_cudagraph._backend.backend.CaptureBackend` instance) can be set here; it is checked when set.
-        A strategy hands its backend to the callback it attaches.
+        A test double or another accelerator's :class:`~lightning_cudagraph._backend.backend.CaptureBackend` instance
+        can be set here. A strategy hands its backend to the callback it attaches.
         """
         return self._capture_backend
 

@@ -1,8 +1,7 @@
 """The CUDA capture backend: side stream, shared memory pool, ``torch.cuda`` graphs, CUDA random-number state.
 
-Eager training steps, warmups and captures all run on one side stream per device: capturing on the stream the
-eager steps ran on means autograd never has to synchronize with a stream that is not capturing (on torch 2.11 an
-eager warmup on the legacy default stream breaks a later capture).
+Eager steps, warmups and captures all run on one side stream per device, so autograd never syncs with a stream
+that is not capturing (on torch 2.11 an eager warmup on the legacy default stream breaks a later capture).
 """
 
 from __future__ import annotations
@@ -48,27 +47,17 @@ class CUDAStepGraph:
         self._graph: torch.cuda.CUDAGraph | None = graph
 
     def replay(self) -> None:
-        """Replay the step's kernels."""
         assert self._graph is not None, "a step graph is replayed only until it is reset"
         self._graph.replay()
 
     def reset(self) -> None:
-        """Free the graph."""
         if self._graph is not None:
             self._graph.reset()
         self._graph = None
 
 
 class CUDABackend(CaptureBackend):
-    """Captures with PyTorch's CUDA graphs on a side stream, into one memory pool per fit.
-
-    Example:
-        >>> import torch
-        >>> from lightning_cudagraph._backend.cuda import CUDABackend
-        >>> if torch.cuda.is_available():
-        ...     backend = CUDABackend(torch.device("cuda"))
-        ...     backend.release()
-    """
+    """Captures with PyTorch's CUDA graphs on a side stream, into one memory pool per fit."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -78,7 +67,6 @@ class CUDABackend(CaptureBackend):
 
     @property
     def stream(self) -> torch.cuda.Stream:
-        """The side stream training runs on."""
         return side_stream(device_index(self.device))
 
     @property
@@ -135,7 +123,6 @@ class CUDABackend(CaptureBackend):
         return event
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
-        """Capturable Adam/AdamW, fused SGD, learning rates as device tensors."""
         return CapturableOptimizer(optimizer, self.device)
 
     def pool_mib(self) -> float:
@@ -151,27 +138,23 @@ class CUDABackend(CaptureBackend):
         return total / 2**20
 
     def memory_allocated(self) -> int:
-        """``torch.cuda.memory_allocated`` of the device."""
         return torch.cuda.memory_allocated(self.device)
 
     def timer(self) -> StepTimer:
-        """CUDA events on the current stream, read once per log interval."""
         return StepTimer(use_cuda=True)
 
     @contextlib.contextmanager
     def preserved(self, modules: Iterable[torch.nn.Module]) -> Iterator[None]:
-        """CUDA and CPU generators and the modules' buffers, restored on exit."""
         with cuda_rng_preserved(self.device), module_state_preserved(modules):
             yield
 
     def failure_guard(self) -> contextlib.AbstractContextManager[Any]:
-        """The CUDA generator back to its pre-capture state after a failed capture."""
         return cuda_generator_guard(self.device)
 
     def release(self) -> None:
         """Wait for the side stream, drop the pool, leave the side stream, give cached memory back.
 
-        Lightning ends a fit through several hooks that each release; only the first finds anything to free (a
+        Lightning ends a fit through several hooks that each release; only the first frees anything (a
         ``gc.collect()`` costs a large process a good part of a second).
         """
         if not self._holds:

@@ -10,7 +10,7 @@ __all__ = ["Verbatim", "config_error", "did_you_mean"]
 
 
 def config_error(component: str, option: str, value: Any, allowed: str, fix: str) -> ValueError:
-    """Build the one error format of the package: component, value, allowed values, fix.
+    """Build the one error format of the package.
 
     A Trainer argument, named ``"Trainer(devices=...)"``, is shown as the user wrote it: ``Trainer(devices=2)``.
 
@@ -23,12 +23,7 @@ def config_error(component: str, option: str, value: Any, allowed: str, fix: str
 
 
 class Verbatim(str):
-    """A value shown in a message as written (no quotes), e.g. ``[CUDAGraphCallback(...), CUDAGraphCallback(...)]``.
-
-    Example:
-        >>> repr(Verbatim("[a, b]"))
-        '[a, b]'
-    """
+    """A value shown in a message as written (no quotes), e.g. ``[CUDAGraphCallback(...), CUDAGraphCallback(...)]``."""
 
     __slots__ = ()
 
@@ -37,12 +32,7 @@ class Verbatim(str):
 
 
 def did_you_mean(name: str, choices: Sequence[str], cutoff: float = 0.6) -> str | None:
-    """The choice closest to ``name`` (case-insensitive), or ``None`` when none is close.
-
-    Example:
-        >>> did_you_mean("atn", ["attn", "mlp"]), did_you_mean("head", ["attn", "mlp"])
-        ('attn', None)
-    """
+    """The choice closest to ``name`` (case-insensitive), or ``None`` when none is close."""
     lowered = {choice.lower(): choice for choice in choices}
     close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=cutoff)
     return lowered[close[0]] if close else None
