@@ -173,5 +173,7 @@ class CaptureBackend(ABC):
 
 
 class _Done:
+    """A marker of work that already finished."""
+
     def query(self) -> bool:
         return True

@@ -52,6 +52,7 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _call_forward(forward: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What a compiled target runs: its class's forward on the module."""
     return forward(module, *args, **kwargs)
 
 
@@ -142,6 +143,7 @@ class CompiledForwards:
         return functools.partial(compiled, function, module)
 
     def clear(self) -> None:
+        """Drop the compiled functions."""
         self._by_function.clear()
 
 

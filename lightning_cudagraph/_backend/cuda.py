@@ -47,10 +47,12 @@ class CUDAStepGraph:
         self._graph: torch.cuda.CUDAGraph | None = graph
 
     def replay(self) -> None:
+        """Replay the step's kernels."""
         assert self._graph is not None, "a step graph is replayed only until it is reset"
         self._graph.replay()
 
     def reset(self) -> None:
+        """Free the graph."""
         if self._graph is not None:
             self._graph.reset()
         self._graph = None
@@ -67,6 +69,7 @@ class CUDABackend(CaptureBackend):
 
     @property
     def stream(self) -> torch.cuda.Stream:
+        """The side stream training runs on."""
         return side_stream(device_index(self.device))
 
     @property
@@ -123,6 +126,7 @@ class CUDABackend(CaptureBackend):
         return event
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        """Capturable Adam/AdamW, fused SGD, learning rates as device tensors."""
         return CapturableOptimizer(optimizer, self.device)
 
     def pool_mib(self) -> float:
@@ -138,17 +142,21 @@ class CUDABackend(CaptureBackend):
         return total / 2**20
 
     def memory_allocated(self) -> int:
+        """``torch.cuda.memory_allocated`` of the device."""
         return torch.cuda.memory_allocated(self.device)
 
     def timer(self) -> StepTimer:
+        """CUDA events on the current stream, read once per log interval."""
         return StepTimer(use_cuda=True)
 
     @contextlib.contextmanager
     def preserved(self, modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+        """CUDA and CPU generators and the modules' buffers, restored on exit."""
         with cuda_rng_preserved(self.device), module_state_preserved(modules):
             yield
 
     def failure_guard(self) -> contextlib.AbstractContextManager[Any]:
+        """The CUDA generator back to its pre-capture state after a failed capture."""
         return cuda_generator_guard(self.device)
 
     def release(self) -> None:

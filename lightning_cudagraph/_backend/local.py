@@ -172,14 +172,12 @@ def capture_regions(
             for region in reversed(regions):
                 name = region.name
                 _capture_backward(region, surfaces[name], pool)
-    except Exception as error:  # one call cannot be captured: say which (an interrupt still propagates)
+    except BaseException as error:
         for region in regions:
             region.reset()
-        return CapturePassResult(failed={name: error}, warmed=warmed)
-    except BaseException:
-        for region in regions:
-            region.reset()
-        raise
+        if not isinstance(error, Exception):  # an interrupt propagates
+            raise
+        return CapturePassResult(failed={name: error}, warmed=warmed)  # one call cannot be captured: say which
     return CapturePassResult(list(regions))  # a list of the base class, for the backend's type
 
 
@@ -261,7 +259,10 @@ def tensor_addresses(module: torch.nn.Module) -> dict[str, int]:
 
 
 def moved_since(then: dict[str, int], now: dict[str, int]) -> list[str]:
-    """The one check that tensors a graph reads moved: names whose storage differs from ``then``, or came or went."""
+    """The one check that tensors a graph reads moved: names whose storage differs from ``then``, or that came or went.
+
+    ``then`` and ``now`` map names to data pointers (:func:`tensor_addresses`, or a watch's own tensors).
+    """
     changed = [name for name, address in now.items() if then.get(name) != address]
     return changed + [name for name in then if name not in now]
 

@@ -46,6 +46,7 @@ class CapturableOptimizer:
 
     @property
     def groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups."""
         return self.optimizer.param_groups
 
     def refresh(self) -> None:
@@ -113,14 +114,6 @@ class OptimizerSettings:
 
     A replay would ignore a scheduler that moves ``betas`` or ``momentum`` (``OneCycleLR``, ``CyclicLR`` with
     ``cycle_momentum=True``) or a user who sets ``weight_decay``. Comparing two snapshots needs no device sync.
-
-    Example:
-        >>> model = torch.nn.Linear(2, 2)
-        >>> optimizer = torch.optim.AdamW(model.parameters(), betas=(0.95, 0.999))
-        >>> before = OptimizerSettings.of(optimizer)
-        >>> optimizer.param_groups[0]["betas"] = (0.9, 0.999)
-        >>> before.change(OptimizerSettings.of(optimizer))
-        "param_groups[0]['betas'] moved from (0.95, 0.999) to (0.9, 0.999)"
     """
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:

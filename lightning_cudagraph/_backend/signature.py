@@ -27,6 +27,7 @@ class TensorSpec:
 
     @classmethod
     def of(cls, tensor: Tensor) -> TensorSpec:
+        """The spec of ``tensor``."""
         return cls(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.requires_grad)
 
     def __str__(self) -> str:

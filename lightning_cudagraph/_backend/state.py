@@ -1,7 +1,8 @@
-"""Random-number and buffer state around a capture, put back so that warmups and capture leave no trace on training.
+"""Random-number and buffer state around a capture.
 
-A CUDA capture that fails midway leaves the CUDA generator in capture mode (its next eager draw raises "Offset
-increment outside graph capture encountered unexpectedly").
+Warmups draw from the generators (dropout) and update buffers (BatchNorm); both are put back. A CUDA capture that fails
+midway leaves the CUDA generator in capture mode (its next eager draw raises "Offset increment outside graph capture
+encountered unexpectedly").
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class GeneratorGuard:
         self.failed = False
 
     def mark_failed(self) -> None:
-        """A capture in the guarded block failed without raising (as a region capture pass does)."""
+        """A capture in the guarded block failed and reported it (a region capture pass does not raise)."""
         self.failed = True
 
 

@@ -34,9 +34,11 @@ class TERegion:
     weight_cache: FP8WeightCache | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Replay through TE's graphed forward."""
         return self.forward(*args, **self._with_microbatch(kwargs))
 
     def replay_forward_detached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """Replay the forward graph outside autograd and return copies of its tensor outputs."""
         with torch.no_grad():
             outputs = self.forward(*args, **self._with_microbatch(kwargs))
         return [leaf.clone() for leaf in pytree.tree_leaves(outputs) if isinstance(leaf, Tensor)]
@@ -51,6 +53,7 @@ class TERegion:
         """Nothing to do: TE clones parameter gradients on return."""
 
     def reset(self) -> None:
+        """Free the graphs through TE's own ``reset``."""
         if self.reset_graphs is not None:
             self.reset_graphs()
         self.reset_graphs = self.forward = None

@@ -24,6 +24,7 @@ class StepTimer:
         self._free: list[torch.cuda.Event] = []
 
     def start(self) -> None:
+        """Mark the start of a step."""
         self._open = self._mark()
 
     def stop(self) -> None:

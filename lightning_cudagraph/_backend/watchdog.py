@@ -36,11 +36,15 @@ GRACE_S = 30.0
 class Marker(Protocol):
     """What the backend records behind a replay: ``query()`` is True once the device finished the work before it."""
 
-    def query(self) -> bool: ...
+    def query(self) -> bool:
+        """Whether the work recorded before the marker finished (non-blocking)."""
 
 
 def replay_bound_s(eager_step_ms: float, timeout_s: float | None = None) -> float:
-    """How long a replay may take: ``timeout_s``, else ``STEPS_IN_BOUND`` eager steps, at least ``MIN_BOUND_S``."""
+    """How long a replayed step may take before the watchdog fires: ``timeout_s`` if given, else generous.
+
+    Generous is ``STEPS_IN_BOUND`` eager steps, at least ``MIN_BOUND_S``.
+    """
     if timeout_s is not None:
         return timeout_s
     if not math.isfinite(eager_step_ms):

@@ -104,6 +104,7 @@ class CompileOptions:
         return option
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.compile(fn)`` with these options."""
         return torch.compile(
             fn,
             mode=self.mode,

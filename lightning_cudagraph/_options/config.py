@@ -55,6 +55,7 @@ class CUDAGraphConfig:
 
     @property
     def enabled(self) -> bool:
+        """Whether any graph may be captured at all."""
         return self.impl != "none"
 
     @property
@@ -64,6 +65,7 @@ class CUDAGraphConfig:
 
     @property
     def auto_scope(self) -> bool:
+        """Whether the scope is chosen from the model (``scope="auto"``)."""
         return self.scope == (AUTO,)
 
     @property

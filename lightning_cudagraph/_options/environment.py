@@ -1,4 +1,7 @@
-"""The allocator and NCCL settings that must agree before NCCL starts (set when the callback or strategy is built)."""
+"""The process environment graphs need: the allocator and NCCL settings that must agree before NCCL starts.
+
+The callback and the strategies apply it when they are built, before Lightning starts a process group.
+"""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ __all__ = ["Verbatim", "config_error", "did_you_mean"]
 
 
 def config_error(component: str, option: str, value: Any, allowed: str, fix: str) -> ValueError:
-    """Build the one error format of the package.
+    """Build the one error format of the package: component, value, allowed values, fix.
 
     A Trainer argument, named ``"Trainer(devices=...)"``, is shown as the user wrote it: ``Trainer(devices=2)``.
 

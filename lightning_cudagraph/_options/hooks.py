@@ -59,7 +59,10 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
 
 
 def _sharding(hook: object) -> bool:
-    """Whether ``hook`` is FSDP2's own: a captured step holds its work, and its Python state repeats every step."""
+    """Whether ``hook`` is FSDP2's own (``fully_shard``).
+
+    A captured step holds its work (all-gather, reshard), and its Python leaves the same state after every step.
+    """
     owner = getattr(hook, "__self__", None)
     if owner is None:  # a module of several FSDP2 modules wraps its hooks in closures over its state's methods
         cells = getattr(hook, "__closure__", None) or ()

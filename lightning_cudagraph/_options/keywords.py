@@ -74,7 +74,7 @@ def _refuse_unknown_keywords(
 
 
 def _built_by_jsonargparse() -> bool:
-    """Whether jsonargparse (LightningCLI) is instantiating the class."""
+    """Whether jsonargparse (LightningCLI) is instantiating the class: it wraps every error in its Union message."""
     frame = sys._getframe(1)
     while True:
         module = frame.f_globals.get("__name__", "")

@@ -1,8 +1,8 @@
-"""The built-in scopes: what each one finds in the model layouts the package knows (docs/scopes.md has the table).
+"""The built-in scopes: what each one finds in the model layouts the package knows.
 
-The rules read attribute names, class names by suffix (``MixtralTopKRouter`` matches without importing its library)
-and a module's place in the tree. An MoE block is never ``mlp``; the ``layer`` blocks of convolutional networks are
-never their stem, head, or the ``Sequential`` that holds them.
+docs/scopes.md has the table of layouts. The rules read attribute names, class names by suffix (``MixtralTopKRouter``
+matches without importing its library) and a module's place in the tree. An MoE block is never ``mlp``; the ``layer``
+blocks of convolutional networks are never their stem, head, or the ``Sequential`` that holds them.
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ class Site:
 
     @property
     def parent_name(self) -> str:
+        """The qualified name of its parent (``""`` for the root)."""
         return self.name.rpartition(".")[0]
 
     @property
     def parent(self) -> nn.Module:
+        """Its parent module."""
         return self.tree[self.parent_name]
 
     @property
@@ -59,14 +61,17 @@ class Site:
 
     @property
     def cls(self) -> str:
+        """Its class name."""
         return type(self.module).__name__
 
     @property
     def in_layer(self) -> bool:
+        """Whether its parent is a layer."""
         return _is_layer(self.parent_name, self.tree)
 
     @property
     def in_moe(self) -> bool:
+        """Whether its parent is an MoE block."""
         return _is_moe(self.parent_name, self.tree)
 
 
@@ -147,10 +152,6 @@ def _mlp(site: Site) -> bool:
     return site.attr in _SPLIT_FFN and {child for child, _ in site.parent.named_children()} >= _SPLIT_FFN
 
 
-def _moe(site: Site) -> bool:
-    return _is_moe(site.name, site.tree)
-
-
 def _moe_router(site: Site) -> bool:
     return site.attr == "moe_router" or (site.in_moe and (site.attr in _ROUTER_NAMES or site.cls.endswith("Router")))
 
@@ -164,17 +165,13 @@ def _mamba(site: Site) -> bool:
     return site.attr in _MAMBA_NAMES or site.cls in _MAMBA_CLASSES or mixer
 
 
-def _layer(site: Site) -> bool:
-    return _is_layer(site.name, site.tree)
-
-
 #: The built-in scopes: a predicate over each module of the model (the root excluded).
 BUILTIN_RULES: dict[str, Callable[[Site], bool]] = {
     "attn": _attn,
     "mlp": _mlp,
-    "moe": _moe,
+    "moe": lambda site: _is_moe(site.name, site.tree),
     "moe_router": _moe_router,
     "moe_preprocess": _moe_preprocess,
     "mamba": _mamba,
-    "layer": _layer,
+    "layer": lambda site: _is_layer(site.name, site.tree),
 }

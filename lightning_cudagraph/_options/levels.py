@@ -50,6 +50,7 @@ class Level:
 
     @property
     def whole_step(self) -> bool:
+        """Whether this level captures the whole step."""
         return self.name == FULL_ITERATION
 
     @property

@@ -1,7 +1,8 @@
-"""Scope names to the modules they capture: built-in rules (:mod:`.layouts`), or ``modules=`` selectors per scope.
+"""Scope names to the modules they capture: built-in rules per scope, overridable per scope.
 
-A match nested inside another (``blocks.0.attn`` in ``blocks.0``) resolves to the outer one, so each region of the
-model is captured by one graph.
+The built-in rules live in :mod:`.layouts`; ``modules=`` replaces them with selectors or defines a new scope. A match
+nested inside another (``blocks.0.attn`` in ``blocks.0``) resolves to the outer one, so each region of the model is
+captured by one graph.
 """
 
 from __future__ import annotations
