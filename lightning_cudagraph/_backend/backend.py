@@ -1,10 +1,8 @@
 """The capture backend: the one seam between the drivers and the device.
 
-The drivers decide what to capture and when; a backend does the device work: the stream training runs on, the
-shared memory pool, capturing scoped regions and whole steps, making optimizers capturable, the random-number
-state around a capture, memory figures and step timing. :class:`~lightning_cudagraph._backend.cuda.CUDABackend` is
-the real one. Another backend (a test double that runs the original forward, another accelerator) implements the
-same methods and is handed to the callback or strategy as ``capture_backend``.
+The drivers decide what to capture and when; a backend does the device work.
+:class:`~lightning_cudagraph._backend.cuda.CUDABackend` is the real one; another (a test double, another
+accelerator) is handed to the callback or strategy as ``capture_backend``.
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ from lightning_cudagraph._backend.timing import StepTimer
 class RecordedCall:
     """A target's call seen during eager warmup steps: how to run it, what it was called with, and its signature.
 
-    The drivers hand these to :meth:`CaptureBackend.capture_regions`; ``samples`` are the call's real inputs
-    (detached copies), so a capture never feeds a module values it would not see.
+    ``samples`` are detached copies of the call's real inputs, so a capture never feeds a module values it would not
+    see.
     """
 
     name: str
@@ -87,14 +85,12 @@ class PreparedOptimizer(Protocol):
 class CapturePassResult:
     """One capture pass's result: the regions captured, or the calls that could not be, with the error.
 
-    With a failure, the driver captures again without that call, into a new pool (:meth:`CaptureBackend.renew_pool`);
-    regions a failed pass returns anyway are reset first.
+    With a failure, the driver resets any returned regions and captures again without that call, into a new pool.
     """
 
     regions: list[RegionGraphs] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)
-    #: Every call of the pass was warmed up on the capture stream before it failed: a pass over what is left (the
-    #: same calls, or parts of them, which ran inside them) needs no capture warmup iterations again.
+    #: Every call was warmed up on the capture stream before the failure: a pass over what is left needs no warmup.
     warmed: bool = False
 
 
@@ -104,11 +100,7 @@ CaptureMethod = Callable[..., CapturePassResult]
 
 
 class CaptureBackend(ABC):
-    """Device work for the drivers. One per fit; :meth:`release` frees what it holds and it can serve another fit.
-
-    Args:
-        device: The device training runs on.
-    """
+    """Device work for the drivers. One per fit; :meth:`release` frees what it holds and it can serve another fit."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -163,7 +155,7 @@ class CaptureBackend(ABC):
     def marker(self) -> Any:
         """A marker behind the work launched so far, whose ``query()`` says whether the device finished it.
 
-        Work on a device without streams ran on the host before this is called: the marker is done at once.
+        This default, for a device without streams, is done at once.
         """
         return _Done()
 

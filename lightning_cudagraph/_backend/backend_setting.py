@@ -22,9 +22,8 @@ class HoldsCaptureBackend:
     def capture_backend(self) -> CaptureBackend | None:
         """The capture backend for the next fit; ``None`` uses CUDA on a CUDA device (and graphs off elsewhere).
 
-        A test double or another accelerator's backend (a
-        :class:`~lightning_cudagraph._backend.backend.CaptureBackend` instance) can be set here; it is checked when set.
-        A strategy hands its backend to the callback it attaches.
+        A test double or another accelerator's :class:`~lightning_cudagraph._backend.backend.CaptureBackend` instance
+        can be set here. A strategy hands its backend to the callback it attaches.
         """
         return self._capture_backend
 
@@ -35,7 +34,8 @@ class HoldsCaptureBackend:
 
 def checked_capture_backend(component: str, backend: Any) -> CaptureBackend | None:
     """``capture_backend`` as set on the callback or a strategy: ``None`` or a backend instance for its device."""
-    if backend is None or (isinstance(backend, CaptureBackend) and not _cuda_backend_off_cuda(backend)):
+    off_cuda = isinstance(backend, CUDABackend) and torch.device(backend.device).type != "cuda"
+    if backend is None or (isinstance(backend, CaptureBackend) and not off_cuda):
         return backend
     allowed = "None (CUDA on a CUDA device, graphs off elsewhere) or a CaptureBackend instance"
     if isinstance(backend, type) and issubclass(backend, CaptureBackend):
@@ -55,7 +55,3 @@ def checked_capture_backend(component: str, backend: Any) -> CaptureBackend | No
     else:
         shown = backend if isinstance(backend, (str, type)) else Verbatim(repr(backend))
     raise config_error(component, "capture_backend", shown, allowed, fix)
-
-
-def _cuda_backend_off_cuda(backend: CaptureBackend) -> bool:
-    return isinstance(backend, CUDABackend) and torch.device(backend.device).type != "cuda"

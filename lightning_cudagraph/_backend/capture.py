@@ -1,12 +1,9 @@
 """The host side of a CUDA capture: one graph's capture on the current stream, and the garbage collector around a pass.
 
-``torch.cuda.graph`` syncs the device, runs ``gc.collect()`` and empties the allocator's cache before every graph.
-A scoped pass captures two graphs per region, and those calls were most of its host time. Here a pass collects the
-young generations once and freezes the collector (as Megatron-Core does), so that the collections Python triggers
-while the capture allocates only scan the objects made since; each graph then begins without a sync. A full
-collection walks every object of the process (a large one pays tens of milliseconds for it): the garbage a training
-step leaves (autograd's cycles) is young, and whatever an older generation holds only costs memory, never a wrong
-graph.
+``torch.cuda.graph`` syncs, runs a full ``gc.collect()`` and empties the cache before every graph: most of a scoped
+pass's host time (two graphs per region). Here a pass collects the young generations once and freezes the collector
+(as Megatron-Core does), and each graph begins without a sync. A training step's garbage (autograd's cycles) is
+young; what an older generation holds only costs memory, never a wrong graph.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ import torch
 
 __all__ = ["gc_frozen", "graph_capture", "warn_on_grad_stream_mismatch"]
 
-#: The capture path before 0.x's faster capture (a full collection before a pass, a device sync after its warmups,
-#: three warmup iterations per region): kept reachable for the benchmark that measures the difference.
+#: The capture path before the faster capture (full collection, a sync after warmups): for benchmarks/host_cost.py.
 _PREVIOUS_CAPTURE = False
 
 
@@ -29,15 +25,7 @@ _PREVIOUS_CAPTURE = False
 def gc_frozen() -> Iterator[None]:
     """Collect the young generations once, then freeze the collector's tracked objects for the body; unfreeze on exit.
 
-    A collector the process froze itself (a forking server's ``gc.freeze()``) is left as it is: unfreezing would
-    hand its objects back to the collector.
-
-    Example:
-        >>> import gc
-        >>> with gc_frozen():
-        ...     frozen = gc.get_freeze_count() > 0
-        >>> frozen, gc.get_freeze_count()
-        (True, 0)
+    A collector the process froze itself (a forking server's ``gc.freeze()``) is left as it is.
     """
     if gc.get_freeze_count():
         yield
@@ -54,9 +42,8 @@ def gc_frozen() -> Iterator[None]:
 def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
     """Capture into ``graph`` on the current stream, into ``pool``.
 
-    No device sync, ``gc.collect()`` or ``empty_cache()`` before the graph (see the module's docstring). A failed
-    body ends the capture without masking its own error, and leaves the allocator as it found it, so the next
-    capture (and eager training on this stream) can go on.
+    No sync, ``gc.collect()`` or ``empty_cache()`` first. A failed body ends the capture without masking its error and
+    leaves the allocator as it found it.
     """
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
@@ -86,9 +73,8 @@ def warn_on_grad_stream_mismatch(enabled: bool) -> None:
 def stale_streams_joined() -> Iterator[None]:
     """During a whole-step capture, autograd nodes naming a stale stream run on the capturing one (where torch can).
 
-    An eager step's autograd nodes (DDP's, FSDP2's) can keep the stream they were built on; captured, a wait on it
-    would pull a non-capturing stream into the graph. ``torch.autograd.graph.set_override_stale_capture_stream``
-    (newer torch) replaces it with the capturing stream; it is process-global, and off again afterwards (its default).
+    An eager step's autograd nodes (DDP's, FSDP2's) can keep the stream they were built on; a captured wait on it
+    would pull a non-capturing stream into the graph. The torch override is process-global, so it is switched off after.
     """
     override = getattr(torch.autograd.graph, "set_override_stale_capture_stream", None)
     if override is None:

@@ -1,17 +1,9 @@
 """Compiled kernels inside the graphs: ``compile=`` compiles what is about to be captured, then the graphs hold it.
 
-A CUDA graph removes the host from the step; what is left is GPU time, which only fewer and faster kernels cut.
-With ``compile=True`` the package compiles, during the eager warmup steps, what it will capture: for the whole
-step the modules the LightningModule calls (their backward comes with AOTAutograd), for scoped graphs each
-target's forward. The capture then records the compiled kernels. Each driver owns its compiled stand-in
-(:class:`CompiledModules` or :class:`CompiledForwards`); what ``compile=`` may be is checked in
-:mod:`lightning_cudagraph._options.compile_options`.
-
-:class:`CompileWatch` sees every compilation: its time is ``cudagraph/compile_s``, and one after the first capture
-is a recompile (``cudagraph/recompiles``, warned once): a guard of the compiled code failed on an eager path
-(another batch shape, a fallback). A replay runs no guard: the graphs hold the kernels compiled before. What dynamo
-guards on for a captured region (shapes, dtypes, training mode, grad mode, autocast, the parameters) is what the
-package checks before every replay, so a replay never stands in for code that would have recompiled.
+Graphs remove the host from the step; only fewer, faster kernels cut the GPU time left. Compilation happens during
+the eager warmup steps: for the whole step the modules the LightningModule calls, for scoped graphs each target's
+forward. A replay runs no dynamo guard; the package checks what those guards check (shapes, dtypes, modes,
+parameters) before every replay instead.
 """
 
 from __future__ import annotations
@@ -67,9 +59,8 @@ def _call_forward(forward: Callable[..., Any], module: nn.Module, *args: Any, **
 def _entry_point(function: Callable[..., Any], name: str) -> Callable[..., Any]:
     """A copy of ``function`` with code of its own, so dynamo keeps its compiled entries apart from the others'.
 
-    Dynamo compiles frames, not functions: its cache (and its limit of recompiles) belongs to a code object. It
-    never starts a frame in ``torch.nn`` either (a ``Sequential``'s or ``MultiheadAttention``'s own forward), but
-    inlines them from a frame of ours.
+    Dynamo's cache and recompile limit belong to a code object, and it starts no frame in ``torch.nn`` (it inlines
+    those from a frame of ours).
     """
     if sys.version_info >= (3, 11):  # co_qualname is new in 3.11
         code = function.__code__.replace(co_name=name, co_qualname=name)
@@ -81,8 +72,7 @@ def _entry_point(function: Callable[..., Any], name: str) -> Callable[..., Any]:
 class CompiledModules:
     """Modules compiled in place for one fit (their ``_compiled_call_impl``); :meth:`restore` gives them back.
 
-    Each class gets its own compiled entry point. A module the user already compiled (``torch.compile(module)``, or
-    ``module.compile()``) is left as it is.
+    Each class gets its own compiled entry point; a module the user already compiled is left as it is.
 
     Example:
         >>> import torch, torch.nn as nn
@@ -134,8 +124,7 @@ class CompiledModules:
 class CompiledForwards:
     """One compiled function per forward implementation, called with the module as its first argument.
 
-    Every instance of a class (the layers of a model) shares one compiled function, so dynamo compiles it once and
-    guards on the module's structure, not on its identity.
+    Instances of a class share it, so dynamo compiles once and guards on the module's structure, not its identity.
     """
 
     def __init__(self, options: CompileOptions) -> None:
@@ -167,18 +156,6 @@ class CompileWatch:
 
     Args:
         report: ``compile_s`` and ``recompiles`` are written there.
-        component: Named in the warning of a recompile.
-
-    Example:
-        >>> import torch
-        >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> report = CUDAGraphReport()
-        >>> watch = CompileWatch(report, "CUDAGraphCallback")
-        >>> watch.install()
-        >>> _ = torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
-        >>> watch.remove()
-        >>> report.compile_s > 0, report.recompiles
-        (True, 0)
     """
 
     def __init__(self, report: Any, component: str) -> None:

@@ -1,8 +1,7 @@
 """The CUDA capture backend: side stream, shared memory pool, ``torch.cuda`` graphs, CUDA random-number state.
 
-Eager training steps, warmups and captures all run on one side stream per device: capturing on the stream the
-eager steps ran on means autograd never has to synchronize with a stream that is not capturing (on torch 2.11 an
-eager warmup on the legacy default stream breaks a later capture).
+Eager steps, warmups and captures all run on one side stream per device, so autograd never syncs with a stream
+that is not capturing (on torch 2.11 an eager warmup on the legacy default stream breaks a later capture).
 """
 
 from __future__ import annotations
@@ -60,15 +59,7 @@ class CUDAStepGraph:
 
 
 class CUDABackend(CaptureBackend):
-    """Captures with PyTorch's CUDA graphs on a side stream, into one memory pool per fit.
-
-    Example:
-        >>> import torch
-        >>> from lightning_cudagraph._backend.cuda import CUDABackend
-        >>> if torch.cuda.is_available():
-        ...     backend = CUDABackend(torch.device("cuda"))
-        ...     backend.release()
-    """
+    """Captures with PyTorch's CUDA graphs on a side stream, into one memory pool per fit."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -171,7 +162,7 @@ class CUDABackend(CaptureBackend):
     def release(self) -> None:
         """Wait for the side stream, drop the pool, leave the side stream, give cached memory back.
 
-        Lightning ends a fit through several hooks that each release; only the first finds anything to free (a
+        Lightning ends a fit through several hooks that each release; only the first frees anything (a
         ``gc.collect()`` costs a large process a good part of a second).
         """
         if not self._holds:

@@ -1,13 +1,9 @@
 """Scoped capture with PyTorch's own graphs: one forward and one backward ``torch.cuda.CUDAGraph`` per region.
 
-This follows the recipe of ``torch.cuda.make_graphed_callables`` (warm up, capture forwards in execution order,
-capture backwards in reverse order, all in one pool) with what a training framework needs on top:
-
-- capture on the caller's stream (the stream the eager steps ran on, so autograd never syncs a stale stream);
-- keyword and constant arguments, and arguments that are the same tensor, through the call's signature;
-- every graph kept, so release can ``reset()`` each one;
-- parameter gradients handed to autograd as views of the graph's buffers (no copy per step); with gradient
-  accumulation, :meth:`GraphedRegion.detach_accumulated_grads` moves them out before the next replay.
+This follows ``torch.cuda.make_graphed_callables`` (warm up, forwards in execution order, backwards in reverse, one
+pool), plus: capture on the eager steps' stream (autograd never syncs a stale stream), keyword, constant and
+repeated-tensor arguments through the call's signature, every graph kept for ``reset()``, and parameter gradients
+handed to autograd as the graph's buffers (no copy per step).
 """
 
 from __future__ import annotations
@@ -71,10 +67,8 @@ class GraphedRegion:
     def detach_accumulated_grads(self) -> None:
         """With gradient accumulation: hand autograd copies of the parameter gradients from now on.
 
-        Autograd adopts a returned gradient as ``param.grad`` when ``grad`` is ``None``; the next backward replay
-        rewrites the graph's buffer, and an adopted buffer would lose the gradients accumulated in it. A copy per
-        micro-batch can never be rewritten (on the H200, tracking which buffer was adopted missed cases on
-        Hugging Face layers). A parameter already holding the buffer gets a copy too.
+        Autograd adopts a returned gradient as ``param.grad``, and the next backward replay would rewrite it. A copy per
+        micro-batch never is (tracking which buffer was adopted missed cases on Hugging Face layers).
         """
         self.copy_param_grads = True
         for param, buffer in zip(self.params, self.static_grad_inputs[len(self.static_inputs) :], strict=True):
@@ -152,17 +146,9 @@ def capture_regions(
 ) -> CapturePassResult:
     """Capture the given calls, in their execution order, into one memory pool on ``stream``.
 
-    A call whose warmup or capture raises (a host sync, a CPU-GPU copy, a data-dependent shape) ends the pass: the
-    graphs captured so far are reset and the call is reported in ``failed``. The pool is not to be used again (the
-    caching allocator cannot capture into it after a failed capture); the caller captures the other calls into a
-    new one. The caller owns what warmup and capture disturb (RNG state, module buffers) and restores it afterwards;
-    the returned regions own their graphs.
-
-    Args:
-        calls: The calls as recorded during the last eager step, in execution order.
-        pool: A handle from ``torch.cuda.graph_pool_handle()`` shared by all graphs.
-        stream: The stream to warm up and capture on.
-        warmup_iters: Eager forward-backward iterations per call before capture.
+    A call whose warmup or capture raises ends the pass: the graphs captured so far are reset and the call is
+    reported in ``failed``. The caching allocator cannot capture into the pool after a failed capture, so the caller
+    uses a new one. The caller restores what warmup and capture disturb (RNG state, module buffers).
     """
     regions: list[GraphedRegion] = []
     name = ""
@@ -186,14 +172,12 @@ def capture_regions(
             for region in reversed(regions):
                 name = region.name
                 _capture_backward(region, surfaces[name], pool)
-    except Exception as error:  # one call cannot be captured: say which (an interrupt still propagates)
+    except BaseException as error:
         for region in regions:
             region.reset()
-        return CapturePassResult(failed={name: error}, warmed=warmed)
-    except BaseException:
-        for region in regions:
-            region.reset()
-        raise
+        if not isinstance(error, Exception):  # an interrupt propagates
+            raise
+        return CapturePassResult(failed={name: error}, warmed=warmed)  # one call cannot be captured: say which
     return CapturePassResult(list(regions))  # a list of the base class, for the backend's type
 
 
@@ -278,13 +262,6 @@ def moved_since(then: dict[str, int], now: dict[str, int]) -> list[str]:
     """The one check that tensors a graph reads moved: names whose storage differs from ``then``, or that came or went.
 
     ``then`` and ``now`` map names to data pointers (:func:`tensor_addresses`, or a watch's own tensors).
-
-    Example:
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> then = tensor_addresses(layer)
-        >>> layer.weight.data = layer.weight.data.clone()
-        >>> moved_since(then, tensor_addresses(layer))
-        ['weight']
     """
     changed = [name for name, address in now.items() if then.get(name) != address]
     return changed + [name for name in then if name not in now]

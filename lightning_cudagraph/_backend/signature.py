@@ -1,14 +1,12 @@
 """Input signatures: what a graph was captured for, and a readable account of what changed.
 
-A graph replays the exact kernels it recorded, so it is only valid for calls with the same tensor shapes,
-dtypes, ``requires_grad`` flags, constant (non-tensor) arguments, aliasing between arguments, training mode,
-grad mode and autocast state. :class:`CallSignature` holds all of these; :func:`describe_change` says which
-one moved.
+A graph replays the exact kernels it recorded, so it is only valid for calls that match its :class:`CallSignature`.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +39,8 @@ class TensorSpec:
 class CallSignature:
     """Everything a captured call depends on besides tensor values.
 
-    ``leaves`` holds a :class:`TensorSpec` per tensor argument and the value itself for any other argument, in
-    pytree order of ``(args, kwargs)``; ``aliases`` maps each tensor leaf to the first leaf holding the same
-    tensor (``attn(x, x, x)``).
+    ``leaves`` holds a :class:`TensorSpec` per tensor argument and the value of any other, in pytree order of
+    ``(args, kwargs)``; ``aliases`` maps each leaf to the first leaf holding the same tensor (``attn(x, x, x)``).
     """
 
     #: Compared, not hashed: torch 2.6's TreeSpec holds a list and cannot be hashed (the leaves are hashed).
@@ -98,22 +95,9 @@ _CONSTANTS = frozenset({type(None), bool, int, float, str})
 def call_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], list[Tensor]] | None:
     """A cheap, comparable key of a call, and its distinct tensors in pytree order; ``None`` for other calls.
 
-    The key holds what :class:`CallSignature` compares (the structure, each tensor's shape, dtype, ``requires_grad``
-    and which arguments are the same tensor, each constant's type and value) for calls whose containers are plain
-    tuples, lists and dicts and whose other arguments are ``None``, booleans, numbers or strings. Two such calls with
-    equal keys have equal signatures in the same grad, autocast and training state (devices aside: a replay copies
-    inputs into its buffers from any device). It walks the arguments once in Python: a Hugging Face layer's call
-    costs a few microseconds instead of a pytree flatten.
-
-    Example:
-        >>> import torch
-        >>> x = torch.zeros(2, 3)
-        >>> call_key((x,), {"mask": None})[0] == call_key((torch.ones(2, 3),), {"mask": None})[0]
-        True
-        >>> call_key((x,), {"mask": None})[0] == call_key((x,), {"mask": x})[0]
-        False
-        >>> call_key((x,), {"when": object()}) is None
-        True
+    Only for plain tuples, lists and dicts of tensors, ``None``, booleans, numbers and strings. Equal keys mean equal
+    signatures in the same grad, autocast and training state (devices aside: a replay copies inputs from any
+    device). A Hugging Face layer's call costs a few microseconds instead of a pytree flatten.
     """
     key: list[Any] = []
     tensors: list[Tensor] = []
@@ -231,14 +215,9 @@ def _positional_spec(n: int) -> pytree.TreeSpec:
     return pytree.tree_flatten((tuple(range(n)), {}))[1]
 
 
+_STATE = operator.attrgetter("spec", "aliases", "training", "grad_enabled", "autocast")
+
+
 def signatures_equal(a: CallSignature, b: CallSignature) -> bool:
     """Whether two calls can share a graph (constants compared by value)."""
-    if (a.spec, a.aliases, a.training, a.grad_enabled, a.autocast) != (
-        b.spec,
-        b.aliases,
-        b.training,
-        b.grad_enabled,
-        b.autocast,
-    ):
-        return False
-    return all(_same_leaf(x, y) for x, y in zip(a.leaves, b.leaves, strict=True))
+    return _STATE(a) == _STATE(b) and all(_same_leaf(x, y) for x, y in zip(a.leaves, b.leaves, strict=True))

@@ -1,10 +1,8 @@
 """Random-number and buffer state around a capture.
 
-Warmup iterations before a scoped capture run the modules for real: they draw from the random generators
-(dropout) and update buffers (BatchNorm statistics). Both are put back so that capture leaves no trace on
-training. A CUDA capture that fails midway leaves the CUDA generator in capture mode (its next eager draw raises
-"Offset increment outside graph capture encountered unexpectedly"); the generator then gets back the state it had
-before.
+Warmups draw from the generators (dropout) and update buffers (BatchNorm); both are put back. A CUDA capture that fails
+midway leaves the CUDA generator in capture mode (its next eager draw raises "Offset increment outside graph capture
+encountered unexpectedly").
 """
 
 from __future__ import annotations
@@ -22,16 +20,7 @@ def device_index(device: torch.device) -> int:
 
 @contextlib.contextmanager
 def module_state_preserved(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
-    """Restore the CPU generator and the modules' buffers on exit, whether the body succeeded or not.
-
-    Example:
-        >>> import torch, torch.nn as nn
-        >>> norm = nn.BatchNorm1d(2)
-        >>> with module_state_preserved([norm]):
-        ...     _ = norm(torch.randn(4, 2))
-        >>> norm.running_mean.tolist()
-        [0.0, 0.0]
-    """
+    """Restore the CPU generator and the modules' buffers on exit, whether the body succeeded or not."""
     cpu_state = torch.get_rng_state()
     with torch.no_grad():
         buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
@@ -70,8 +59,8 @@ class GeneratorGuard:
 def cuda_generator_guard(device: torch.device) -> Iterator[GeneratorGuard]:
     """After a failed capture, give the device's default CUDA generator back its pre-capture state.
 
-    A failure is an exception out of the block (re-raised) or one the block marks on the yielded guard. A capture
-    that worked keeps the generator as it is: its graph holds the generator's state and advances it on replay.
+    A failure is an exception out of the block (re-raised) or one marked on the yielded guard. A capture that worked
+    keeps the generator as it is: its graph advances it on replay.
     """
     generator = torch.cuda.default_generators[device_index(device)]
     snapshot = generator.clone_state() if hasattr(generator, "clone_state") else None

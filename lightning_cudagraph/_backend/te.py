@@ -1,12 +1,7 @@
 """Scoped capture with Transformer Engine's ``make_graphed_callables``: FP8-aware graphs of TE modules.
 
-TE's capture handles what PyTorch's cannot for FP8 layers: the FP8 autocast around each callable, amax history and
-scaling state, and TE's graph-safe RNG tracker; it also clones parameter gradients on return. The scoped driver still
-decides when to capture and routes every call through the target's patched forward; a region here only wraps the
-forward TE builds, and :meth:`TERegion.reset` calls TE's ``reset()``.
-
-With FP8 and gradient accumulation, :class:`FP8WeightCache` lets the graphs quantize the weights once per optimizer
-step instead of once per micro-batch (TE's ``cache_quantized_params``).
+TE's capture handles what PyTorch's cannot for FP8 layers (FP8 autocast, amax and scaling state, its graph-safe RNG
+tracker) and clones parameter gradients on return. A region here only wraps the forward TE builds.
 """
 
 from __future__ import annotations
@@ -67,10 +62,9 @@ class TERegion:
 class FP8WeightCache:
     """Says, per micro-batch, whether TE's graphs may reuse the FP8 weights quantized earlier in the window.
 
-    Weights change only at the optimizer step, so the FP8 copies a replay made on the first micro-batch of an
-    accumulation window hold for the rest of it. They are trusted only when every region of the graph set replayed
-    on an earlier micro-batch since the last optimizer step; after a step with a fallback the next replay quantizes
-    again. The flag is a device tensor TE's graphs read (set without a host sync).
+    Weights change only at the optimizer step, so FP8 copies made on the first micro-batch of a window hold for the
+    rest of it (TE's ``cache_quantized_params``). They are trusted only when every region replayed on an earlier
+    micro-batch since the last optimizer step. The flag is a device tensor TE's graphs read (no host sync).
 
     Args:
         set_skip_flag: Writes TE's "skip the FP8 weight update" flag; TE's ``FP8GlobalStateManager`` by default.
@@ -118,16 +112,8 @@ def capture_te_regions(
 ) -> CapturePassResult:
     """Capture the calls with ``transformer_engine.pytorch.make_graphed_callables`` into one pool on ``stream``.
 
-    TE captures every call in one pass, so a failing call fails the pass (it raises; nothing is left out).
-
-    Args:
-        calls: Recorded calls in execution order; arguments must be tensors (positional or keyword).
-        pool: Shared graph memory pool.
-        stream: The stream to capture on (the stream eager training ran on).
-        warmup_iters: TE's warmup iterations per callable.
-        fp8_recipe: The FP8 recipe of the Trainer's ``TransformerEnginePrecision``, or ``None`` for no FP8.
-        weight_cache: With FP8 and gradient accumulation: capture with ``cache_quantized_params`` and let this
-            cache tell each replay whether it starts an accumulation window.
+    TE captures every call in one pass, so a failing call fails the pass (it raises). Arguments must be tensors.
+    ``weight_cache`` (FP8 with gradient accumulation) captures with ``cache_quantized_params``.
     """
     import transformer_engine.pytorch as te
 
@@ -193,8 +179,8 @@ def _captured_on(stream: torch.cuda.Stream) -> Iterator[None]:
 def _tracker_generators_restored_on_error() -> Iterator[None]:
     """On a failed capture, give the generators of TE's RNG tracker back their pre-capture state.
 
-    A generator left in capture mode fails at the next eager dropout. TE registers these generators with its graphs
-    and restores them itself after a capture that succeeds; the manager guards the default generator.
+    A generator left in capture mode fails at the next eager dropout. TE restores them itself after a successful
+    capture; the backend's failure guard covers the default generator.
     """
     from transformer_engine.pytorch.distributed import get_all_rng_states, graph_safe_rng_available
 

@@ -1,8 +1,4 @@
-"""Step times without a host sync per step: CUDA events recorded at step start and end, read in bulk.
-
-A read is one host sync for every step since the last read (once per log interval, or once per decision of the
-ladder); without CUDA, host time stands in.
-"""
+"""Step times without a host sync per step: CUDA events recorded at step start and end, read in bulk."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The replay watchdog: a replayed step that never finishes ends the process instead of hanging every rank.
 
-Since PyTorch 2.2, NCCL's own watchdog does not see collectives inside a CUDA graph. A rank that stops replaying
-(it died, it raised, it fell back to eager alone) leaves the others waiting inside a replayed all-reduce, all-gather
-or reduce-scatter forever. :class:`ReplayWatchdog` notes when each replay starts and, through a marker the backend
-records behind it (a CUDA event), when the device finished it. A thread of its own reads the markers (``query``, no
-host sync on the training thread). A replay still unfinished after the bound names the rank and the step, aborts
-the process groups where the backend can (NCCL) and, if training does not raise within a grace period, ends the
-process with :data:`EXIT_CODE`, which the launcher (torchrun, SLURM) then reports.
+Since PyTorch 2.2, NCCL's own watchdog does not see collectives inside a CUDA graph, so a rank that stops replaying
+leaves the others waiting in a replayed collective forever. A thread polls a marker (CUDA event) behind each replay;
+one late past the bound aborts the process groups and, unless training raises within a grace period, exits with
+:data:`EXIT_CODE` for the launcher to report.
 """
 
 from __future__ import annotations
@@ -46,9 +43,7 @@ class Marker(Protocol):
 def replay_bound_s(eager_step_ms: float, timeout_s: float | None = None) -> float:
     """How long a replayed step may take before the watchdog fires: ``timeout_s`` if given, else generous.
 
-    Example:
-        >>> replay_bound_s(40.0), replay_bound_s(5000.0), replay_bound_s(40.0, timeout_s=5.0)
-        (120.0, 500.0, 5.0)
+    Generous is ``STEPS_IN_BOUND`` eager steps, at least ``MIN_BOUND_S``.
     """
     if timeout_s is not None:
         return timeout_s
@@ -61,22 +56,11 @@ class ReplayWatchdog:
     """Watches replayed steps from a thread of its own; one that does not finish within ``bound_s`` ends the process.
 
     Args:
-        bound: Seconds a replay may take, from its launch to its marker's completion; read at the first replay (the
-            eager step time it may depend on is measured by then).
+        bound: Seconds a replay may take; read at the first replay (the eager step time is measured by then).
         rank: This process's rank, named in the message.
         marker: Records a marker behind the work launched so far (a CUDA event on the training stream).
-        grace_s: After firing, how long training has to raise on its own (:attr:`fired` tells it why) before the
-            process is ended (``None``: :data:`GRACE_S`).
+        grace_s: After firing, how long training has to raise on its own (``None``: :data:`GRACE_S`).
         end: Ends the process (``os._exit``; a test passes its own).
-
-    Example:
-        >>> class Done:
-        ...     def query(self) -> bool:
-        ...         return True
-        >>> watchdog = ReplayWatchdog(bound=lambda: 5.0, rank=0, marker=Done)
-        >>> watchdog.started(step=7); watchdog.finished()
-        >>> watchdog.close(); watchdog.fired is None
-        True
     """
 
     def __init__(

@@ -23,9 +23,8 @@ __all__ = ["check_targets", "forward_calls_checkpoint"]
 def check_targets(targets: Sequence[Target], component: str) -> None:
     """Refuse activation checkpointing inside a captured region (its recompute would replay into the graph).
 
-    Found three ways: a checkpoint wrapper module, a ``gradient_checkpointing`` flag (Hugging Face), or a
-    ``forward`` whose code calls ``torch.utils.checkpoint`` (read from its code object, so comments and strings do
-    not count), the class's or one set on the instance (``block.forward = ...``).
+    Found as a checkpoint wrapper module, a ``gradient_checkpointing`` flag (Hugging Face), or a ``forward`` (the
+    class's or the instance's) whose code object refers to ``torch.utils.checkpoint``.
     """
     for target in targets:
         for name, module in target.module.named_modules():
@@ -55,17 +54,7 @@ _FOUND: dict[type, bool] = {}
 
 
 def forward_calls_checkpoint(cls: type[nn.Module]) -> bool:
-    """Whether ``cls.forward`` (or a function nested in it) refers to ``torch.utils.checkpoint``'s functions.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> from torch.utils.checkpoint import checkpoint
-        >>> class Block(nn.Module):
-        ...     def forward(self, x):
-        ...         return checkpoint(lambda y: y * 2, x, use_reentrant=False)
-        >>> forward_calls_checkpoint(Block), forward_calls_checkpoint(nn.Linear)
-        (True, False)
-    """
+    """Whether ``cls.forward`` (or a function nested in it) refers to ``torch.utils.checkpoint``'s functions."""
     found = _FOUND.get(cls)
     if found is None:
         found = _FOUND[cls] = _calls_checkpoint(getattr(cls, "forward", None))

@@ -1,11 +1,8 @@
 """Seeing into training batches: their tensors, a key of their shapes, and copies the package owns.
 
-Lightning hands ``training_step`` whatever the dataloader made and ``batch_to_device`` moved: tensors in dicts,
-``UserDict`` s (Hugging Face's ``BatchEncoding``), lists, tuples, namedtuples, dataclasses, or objects that move
-themselves with ``.to()`` (torch_geometric's ``Data`` and ``Batch``). PyTorch's pytree treats a ``UserDict`` and such
-objects as single leaves, which would give every batch the same key and hide its tensors from the static buffers.
-This module walks all of them. A batch it cannot see into gets no key (``None``): the drivers then refuse to
-graph it, with the reason, instead of replaying a graph that reads stale buffers.
+PyTorch's pytree treats a ``UserDict`` (Hugging Face's ``BatchEncoding``) or an object with ``.to()``
+(torch_geometric's ``Data``) as one leaf, hiding its tensors; this module walks those too. A batch it cannot see
+into gets no key (``None``), and the drivers refuse to graph it instead of replaying stale buffers.
 """
 
 from __future__ import annotations
@@ -32,19 +29,7 @@ class OpaqueBatch(Exception):
 def batch_key(batch: Any, values: bool = False) -> BatchKey | None:
     """A hashable key of a batch's structure, tensor shapes and dtypes; ``None`` when the batch is opaque.
 
-    Args:
-        batch: What ``training_step`` receives.
-        values: Include the values of non-tensor leaves (a whole-step graph bakes them in; scoped regions check
-            their own inputs and need only the shapes).
-
-    Example:
-        >>> from collections import UserDict
-        >>> a = UserDict(input_ids=torch.zeros(8, 64, dtype=torch.long))
-        >>> b = UserDict(input_ids=torch.zeros(8, 128, dtype=torch.long))
-        >>> batch_key(a) == batch_key(b)
-        False
-        >>> describe_batch_key(batch_key(b))
-        'input_ids: int64[8, 128]'
+    ``values`` includes the values of non-tensor leaves (a whole-step graph bakes them in).
     """
     try:
         return tuple(_walk(batch, "", values))
@@ -90,14 +75,7 @@ def batch_tensors(batch: Any) -> list[Tensor]:
 
 
 def own_copy(batch: Any) -> Any:
-    """The batch rebuilt around clones of its tensors: static buffers that the user's data never aliases.
-
-    Example:
-        >>> data = {"x": torch.ones(2)}
-        >>> copied = own_copy(data)
-        >>> copied["x"].data_ptr() != data["x"].data_ptr(), copied["x"].tolist()
-        (True, [1.0, 1.0])
-    """
+    """The batch rebuilt around clones of its tensors: static buffers that the user's data never aliases."""
     return _rebuild(batch, lambda t: t.detach().clone())
 
 

@@ -1,8 +1,6 @@
 """What ``compile=`` may be: its options, checked, and the refusal of graphs in graphs.
 
-Graphs in graphs are refused: inductor's own CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``,
-``options={"triton.cudagraphs": True}``, or a module the user compiled that way) cannot run inside a capture.
-Shapes are static (``dynamic=False``): the package captures one graph per batch shape.
+Inductor's own CUDA graphs cannot run inside a capture. Shapes are static: the package captures one graph per shape.
 """
 
 from __future__ import annotations
@@ -33,14 +31,7 @@ def _error(component: str, value: Any, allowed: str, fix: str) -> ValueError:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """How ``torch.compile`` is called on what is captured (``dynamic`` is always ``False``).
-
-    Example:
-        >>> CompileOptions.from_option("CUDAGraphCallback", {"mode": "max-autotune-no-cudagraphs"}).mode
-        'max-autotune-no-cudagraphs'
-        >>> CompileOptions.from_option("CUDAGraphCallback", False) is None
-        True
-    """
+    """How ``torch.compile`` is called on what is captured (``dynamic`` is always ``False``)."""
 
     mode: str | None = None
     fullgraph: bool = False

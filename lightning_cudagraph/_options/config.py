@@ -1,8 +1,6 @@
 """The options once normalized and validated: :class:`CUDAGraphConfig`, and what follows from them.
 
-The options are declared once, in :mod:`lightning_cudagraph._options.options`. :meth:`CUDAGraphConfig.from_options`
-turns them into a config: :mod:`lightning_cudagraph._options.normalization` gives each its stored form, and
-:mod:`lightning_cudagraph._options.validation` checks the rules between them before any GPU work.
+The options are declared once, in :mod:`lightning_cudagraph._options.options`; validation runs before any GPU work.
 """
 
 from __future__ import annotations
@@ -25,13 +23,8 @@ __all__ = ["FULL_ITERATION", "SCOPES", "CUDAGraphConfig", "Selector", "Verbatim"
 class CUDAGraphConfig:
     """The options of :class:`~lightning_cudagraph.CUDAGraphCallback` and the strategies, validated.
 
-    The fields are the options of :data:`~lightning_cudagraph._options.options.OPTIONS`, in their stored forms. Build it
-    with :meth:`from_options`, which normalizes (``scope`` to a tuple, ``modules`` to tuples of selectors) and
-    validates.
-
-    Example:
-        >>> CUDAGraphConfig.from_options("CUDAGraphCallback", scope="attn,mlp").scope
-        ('attn', 'mlp')
+    The fields are the options of :data:`~lightning_cudagraph._options.options.OPTIONS`, in their stored forms
+    (``scope`` a tuple, ``modules`` tuples of selectors); :meth:`from_options` builds it.
     """
 
     impl: Literal["none", "local", "transformer_engine"] = "local"

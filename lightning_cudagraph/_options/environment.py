@@ -1,7 +1,6 @@
 """The process environment graphs need: the allocator and NCCL settings that must agree before NCCL starts.
 
-Validation (:mod:`lightning_cudagraph._options.config`) never writes the environment; the callback and the strategies
-apply this rule when they are built, which is before Lightning starts a process group.
+The callback and the strategies apply it when they are built, before Lightning starts a process group.
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ from lightning_cudagraph._options.config import config_error
 def ensure_graph_safe_allocator(component: str) -> None:
     """Set ``NCCL_GRAPH_REGISTER=0`` where expandable segments need it, or refuse a setting that conflicts.
 
-    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` with NCCL buffer registration in graphs causes illegal
-    memory accesses; ``NCCL_GRAPH_REGISTER=0`` avoids them. Unset, it is set here (and said once); explicitly set
-    to anything else, it is an error.
+    Expandable segments with NCCL buffer registration in graphs cause illegal memory accesses.
     """
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     if "expandable_segments:true" not in alloc_conf:

@@ -23,12 +23,7 @@ def config_error(component: str, option: str, value: Any, allowed: str, fix: str
 
 
 class Verbatim(str):
-    """A value shown in a message as written (no quotes), e.g. ``[CUDAGraphCallback(...), CUDAGraphCallback(...)]``.
-
-    Example:
-        >>> repr(Verbatim("[a, b]"))
-        '[a, b]'
-    """
+    """A value shown in a message as written (no quotes), e.g. ``[CUDAGraphCallback(...), CUDAGraphCallback(...)]``."""
 
     __slots__ = ()
 
@@ -37,12 +32,7 @@ class Verbatim(str):
 
 
 def did_you_mean(name: str, choices: Sequence[str], cutoff: float = 0.6) -> str | None:
-    """The choice closest to ``name`` (case-insensitive), or ``None`` when none is close.
-
-    Example:
-        >>> did_you_mean("atn", ["attn", "mlp"]), did_you_mean("head", ["attn", "mlp"])
-        ('attn', None)
-    """
+    """The choice closest to ``name`` (case-insensitive), or ``None`` when none is close."""
     lowered = {choice.lower(): choice for choice in choices}
     close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=cutoff)
     return lowered[close[0]] if close else None

@@ -1,14 +1,8 @@
 """Stash and restore module hooks around a capture.
 
-A hook that runs while a graph is being captured would either break the capture (a host sync) or be baked into
-it (run on every replay, with capture-time Python state). So the hooks of every module inside a captured region,
-and the global module hooks, are taken out for the capture and put back afterwards. Each hook dict is swapped for
-an empty one and the original put back untouched: a ``RemovableHandle`` points at the original dict, so a handle
-removed during the capture stays removed.
-
-The captured module's own hooks are not touched by a capture: its forward is called directly while capturing, and
-after capture ``module(x)`` still runs its forward pre-hooks and forward hooks eagerly around the replay. Hooks of
-the modules *inside* a region ran during eager warmup only; :func:`inner_hook_count` lets the rollout say so.
+A hook run during capture would break it (a host sync) or be baked into every replay. Each hook dict is swapped for
+an empty one and the original put back, because a ``RemovableHandle`` points at the original dict. A region's own
+hooks still run eagerly around its replay; hooks inside it ran during eager warmup only.
 """
 
 from __future__ import annotations
@@ -31,8 +25,7 @@ MODULE_HOOK_DICTS = (
     "_backward_pre_hooks",
     "_backward_hooks",
 )
-#: Process-wide hook dictionaries registered with ``torch.nn.modules.module.register_module_*_hook``. Older torch
-#: releases lack some of them (torch 2.4 has no ``_global_forward_hooks_with_kwargs``): those are skipped.
+#: Process-wide hook dictionaries (``register_module_*_hook``); torch 2.4 lacks ``_global_forward_hooks_with_kwargs``.
 GLOBAL_HOOK_DICTS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",
@@ -47,19 +40,7 @@ GLOBAL_HOOK_DICTS = (
 def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> Iterator[None]:
     """Empty the hook dicts of the given modules, their submodules and the global hooks; refill them on exit.
 
-    Args:
-        regions: Root modules of the captured regions.
-        include_roots: Also stash the roots' own hooks (the roots are usually called through ``forward`` directly,
-            which skips them anyway).
-
-    Example:
-        >>> import torch, torch.nn as nn
-        >>> layer = nn.Sequential(nn.Linear(2, 2))
-        >>> handle = layer[0].register_forward_pre_hook(lambda m, a: print("hook"))
-        >>> with hooks_stashed([layer]):
-        ...     _ = layer(torch.ones(1, 2))
-        >>> _ = layer(torch.ones(1, 2))
-        hook
+    ``include_roots=False`` keeps the roots' own hooks (a capture calls their ``forward`` directly anyway).
     """
     stashed: list[tuple[object, str, OrderedDict]] = []
     try:
@@ -80,8 +61,7 @@ def hooks_stashed(regions: Iterable[nn.Module], include_roots: bool = True) -> I
 def _sharding(hook: object) -> bool:
     """Whether ``hook`` is FSDP2's own (``fully_shard``).
 
-    Its work is the all-gather and the reshard that a captured step holds, and its Python leaves the same state
-    after every step.
+    A captured step holds its work (all-gather, reshard), and its Python leaves the same state after every step.
     """
     owner = getattr(hook, "__self__", None)
     if owner is None:  # a module of several FSDP2 modules wraps its hooks in closures over its state's methods
@@ -110,14 +90,7 @@ def inner_hook_count(region: nn.Module) -> int:
 def hooked_modules(root: nn.Module) -> list[str]:
     """Qualified names of the modules under ``root`` (itself included) that carry forward or backward hooks.
 
-    ``"<global module hooks>"`` is added when hooks are registered for every module.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> _ = net[1].register_forward_hook(lambda module, args, output: None)
-        >>> hooked_modules(net)
-        ['1']
+    FSDP2's own hooks do not count; ``"<global module hooks>"`` is added when hooks are registered for every module.
     """
     names = [
         name or "<root>"
@@ -138,14 +111,9 @@ def _swap_out(owner: object, name: str) -> tuple[object, str, OrderedDict]:
 def recorded_outputs(region: nn.Module) -> list[str]:
     """What Hugging Face transformers records, in the forward running now, from hooks on modules inside ``region``.
 
-    transformers 5 collects ``router_logits``, ``attentions`` or ``hidden_states`` with forward hooks on submodules,
-    active while the model's forward asks for them. Inside a region they do not fire while it replays, so the
-    model would compute without them (an empty router-logits list, a short list of hidden states). The region's own
-    hooks fire around its replay and are not counted. Empty without transformers' output recording.
-
-    Example:
-        >>> recorded_outputs(nn.Sequential(nn.Linear(2, 2)))
-        []
+    transformers 5 collects ``router_logits``, ``attentions`` or ``hidden_states`` with forward hooks on submodules.
+    Inside a region they do not fire on replay, so the model would go without them. The region's own hooks are not
+    counted (they fire around its replay).
     """
     capturing = sys.modules.get("transformers.utils.output_capturing")
     collector = getattr(getattr(capturing, "_active_collector", None), "get", lambda: None)()

@@ -1,10 +1,7 @@
 """The keyword boundary of the callback and both strategies: unknown keywords refused, errors shown first.
 
-Their ``__init__`` lists every option as an explicit keyword parameter (written from
-:data:`~lightning_cudagraph._options.options.OPTIONS`), so type checkers, IDEs and LightningCLI see them.
-:func:`checks_keywords` keeps what a plain signature cannot give: an unknown keyword is refused in the package's error
-format with the closest option named, and a configuration error under LightningCLI ends the program with the package's
-message.
+Every option is an explicit keyword parameter, so type checkers, IDEs and LightningCLI see them; this adds what a
+plain signature cannot: the closest option named for an unknown keyword, and a clean exit under LightningCLI.
 """
 
 from __future__ import annotations
@@ -26,23 +23,16 @@ _NAMES = tuple(option.name for option in OPTIONS)
 
 
 def config_from(component: str, parameters: Mapping[str, Any]) -> CUDAGraphConfig:
-    """The config of the options among ``parameters`` (an ``__init__``'s ``locals()``), validated.
-
-    Example:
-        >>> config_from("CUDAGraphCallback", {"scope": ["attn"], "self": None}).scope
-        ('attn',)
-    """
+    """The config of the options among ``parameters`` (an ``__init__``'s ``locals()``), validated."""
     return CUDAGraphConfig.from_options(component, **{name: parameters[name] for name in _NAMES if name in parameters})
 
 
 def checks_keywords(init: _Init) -> _Init:
     """Refuse an unknown keyword to ``init`` in the package's format, and exit cleanly under LightningCLI.
 
-    The signature stays the one written (``inspect.signature`` follows the wrapper to it). For an ``__init__`` that
-    also takes ``**kwargs`` (DDP's arguments), only a keyword close to an option, or ``capture_backend``, is refused.
-    When jsonargparse builds the class (LightningCLI), a configuration error ends the program with the package's
-    message as its first line, as a command-line error does: jsonargparse would otherwise bury the ``ValueError``
-    inside its Union traceback.
+    With ``**kwargs`` (DDP's arguments), only a keyword close to an option, or ``capture_backend``, is refused.
+    Under jsonargparse, a configuration error exits with the package's message: jsonargparse would bury the
+    ``ValueError`` inside its Union traceback.
     """
     parameters = list(inspect.signature(init).parameters.values())[1:]
     accepted = [p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]

@@ -1,29 +1,8 @@
 """The built-in scopes: what each one finds in the model layouts the package knows.
 
-The rules read attribute names, class names (by suffix, so model-prefixed classes such as ``MixtralTopKRouter``
-match without importing their library) and a module's place in the tree:
-
-- ``moe``: an MoE block, i.e. a module with an ``experts`` child and a ``gate`` or ``router`` child, a class
-  ending in ``MoE``/``SparseMoeBlock``/``MoELayer``, or an attribute such as ``block_sparse_moe``. Hugging Face
-  5.x keeps it at ``layers.N.mlp`` and Megatron at ``layers.N.mlp`` (``MoELayer``): an MoE block is never ``mlp``.
-- ``moe_router``: the ``gate``/``router`` child of an MoE block (or a child whose class ends in ``Router``).
-- ``mlp``: ``mlp``/``ffn``/``feed_forward`` that is not an MoE block, TE's ``LayerNormMLP``, a layer's child whose
-  class ends in ``MLP``, and the ``intermediate`` and ``output`` siblings of BERT-style layers (two regions).
-- ``attn``: attention attribute names, ``nn.MultiheadAttention``, TE classes, a layer's child ending in ``Attention``.
-- ``mamba``: ``mamba`` attributes and Mamba mixer classes (``*Mamba*Mixer``, ``mamba_ssm``'s ``Mamba``/``Mamba2``).
-- ``layer``: the numbered children of ``layers``/``layer``/``h``/``blocks`` lists, transformer layer classes, and
-  the blocks of convolutional networks (see below).
-- ``moe_preprocess``: a ``preprocess`` child of an MoE block; no Hugging Face or Megatron layout has one.
-
-The ``layer`` blocks of convolutional networks, never their stem, head, or the ``Sequential`` that holds them:
-
-- torchvision ResNet, ResNeXt and Wide-ResNet (and timm's ResNet): ``layerN.M`` (``BasicBlock``, ``Bottleneck``),
-  and any block made of modules at a numbered place in ``layer1``..``layer4``.
-- torchvision MobileNetV2/V3: ``features.N`` (``InvertedResidual``); EfficientNet V1/V2: ``features.N.M``
-  (``MBConv``, ``FusedMBConv``); ConvNeXt: ``features.N.M`` (``CNBlock``); RegNet:
-  ``trunk_output.blockN.blockN-M`` (``ResBottleneckBlock``).
-- timm: ``stages.N.blocks.M`` (ConvNeXt and other staged models), and ``blocks.N.M`` where ``blocks.N`` is a stage,
-  i.e. a plain ``Sequential`` of blocks of one class (EfficientNet, MobileNetV3): the blocks, not the stage.
+docs/scopes.md has the table of layouts. The rules read attribute names, class names by suffix (``MixtralTopKRouter``
+matches without importing its library) and a module's place in the tree. An MoE block is never ``mlp``; the ``layer``
+blocks of convolutional networks are never their stem, head, or the ``Sequential`` that holds them.
 """
 
 from __future__ import annotations
@@ -115,8 +94,8 @@ def _composite(module: nn.Module) -> bool:
 def _is_stage(name: str, tree: Mapping[str, nn.Module]) -> bool:
     """A numbered plain ``Sequential``/``ModuleList`` of a layer list that holds composite blocks of one class.
 
-    timm's EfficientNet and MobileNetV3 keep their blocks at ``blocks.N.M``: ``blocks.N`` is a stage, its children
-    are the layers. A block that is itself a ``Sequential`` of leaf modules (``Linear``, ``GELU``) stays a layer.
+    timm's EfficientNet and MobileNetV3 keep their blocks at ``blocks.N.M``. A ``Sequential`` of leaf modules
+    (``Linear``, ``GELU``) stays a layer.
     """
     module = tree.get(name)
     if module is None or type(module) not in (nn.Sequential, nn.ModuleList) or _numbered(name) not in _LAYER_CONTAINERS:
@@ -173,10 +152,6 @@ def _mlp(site: Site) -> bool:
     return site.attr in _SPLIT_FFN and {child for child, _ in site.parent.named_children()} >= _SPLIT_FFN
 
 
-def _moe(site: Site) -> bool:
-    return _is_moe(site.name, site.tree)
-
-
 def _moe_router(site: Site) -> bool:
     return site.attr == "moe_router" or (site.in_moe and (site.attr in _ROUTER_NAMES or site.cls.endswith("Router")))
 
@@ -190,17 +165,13 @@ def _mamba(site: Site) -> bool:
     return site.attr in _MAMBA_NAMES or site.cls in _MAMBA_CLASSES or mixer
 
 
-def _layer(site: Site) -> bool:
-    return _is_layer(site.name, site.tree)
-
-
 #: The built-in scopes: a predicate over each module of the model (the root excluded).
 BUILTIN_RULES: dict[str, Callable[[Site], bool]] = {
     "attn": _attn,
     "mlp": _mlp,
-    "moe": _moe,
+    "moe": lambda site: _is_moe(site.name, site.tree),
     "moe_router": _moe_router,
     "moe_preprocess": _moe_preprocess,
     "mamba": _mamba,
-    "layer": _layer,
+    "layer": lambda site: _is_layer(site.name, site.tree),
 }

@@ -1,14 +1,9 @@
 """The levels of a fit: what each captures, found once at setup for a fixed scope and for ``scope="auto"`` alike.
 
-A fixed scope is a one-level ladder. Under ``scope="auto"`` the levels, in order, are ``attn`` (attention and
-Mamba mixers), ``attn+mlp`` (plus dense feed-forward blocks and MoE routers: the dense parts of a layer),
-``layer`` (whole layers), ``model`` (the LightningModule's submodules that hold every trainable parameter: the
-whole forward and backward, with the loss and the optimizer left eager) and ``full_iteration`` (the whole step,
-when the Trainer's strategy is one of the package's: only a strategy owns the step). ``model`` is where a step
-that reads the host (``loss.item()``) or holds an uncapturable loss gets the most of its work on graphs, and the
-widest level the callback can reach. Custom scopes of ``modules=`` join every scoped level; overrides of
-built-in scopes apply to the levels that use them. A level that finds no modules, or the same modules as the level
-before, is skipped. How the levels are walked is :mod:`lightning_cudagraph._rollout.ladder`'s.
+A fixed scope is a one-level ladder. ``scope="auto"`` has :data:`LEVEL_SCOPES`, then ``model`` (the submodules
+holding every trainable parameter, loss and optimizer eager: the widest the callback reaches, and the most a step
+that reads the host gets on graphs), then ``full_iteration`` (only a strategy owns the step). Custom scopes of
+``modules=`` join every scoped level. A level that finds no modules, or the same as the level before, is skipped.
 """
 
 from __future__ import annotations
@@ -47,12 +42,7 @@ PART_SCOPES = LEVEL_SCOPES["attn+mlp"]
 
 @dataclass(frozen=True)
 class Level:
-    """An entry of the ladder: the regions it captures (none for the whole step), or why it is not tried.
-
-    Example:
-        >>> Level("full_iteration").whole_step, Level("attn", unavailable="no attn or mamba modules").unavailable
-        (True, 'no attn or mamba modules')
-    """
+    """An entry of the ladder: the regions it captures (none for the whole step), or why it is not tried."""
 
     name: str
     targets: tuple[Target, ...] = ()
@@ -75,16 +65,11 @@ class Plan:
 
     Attributes:
         levels: In climbing order, skipped ones included (with their reason); a fixed scope has one.
-        climbs: Whether the levels are walked and timed (``scope="auto"``); a fixed scope's level is kept as it is.
+        climbs: Whether the levels are walked and timed (``scope="auto"``).
         patched: Every target a scoped driver patches for the fit, parents before the parts that may replace them.
         parts: For each layer, the dense parts captured instead when the layer cannot be (``scope="auto"``).
         scopes: What each scope (or level) found, for the report.
         summary: One line said at setup, what will be captured; with no level to try, why graphs are off.
-
-    Example:
-        >>> plan = Plan((Level("full_iteration"),), climbs=False)  # scope=["full_iteration"]: a one-level ladder
-        >>> [level.name for level in plan.levels], plan.patched
-        (['full_iteration'], ())
     """
 
     levels: tuple[Level, ...]
@@ -103,25 +88,8 @@ def build_levels(
 ) -> list[Level]:
     """The levels of ``scope="auto"`` for ``model``, in climbing order (skipped ones included, with their reason).
 
-    Args:
-        model: The LightningModule.
-        overrides: The ``modules=`` option: overrides of built-in scopes, and custom scopes (in every scoped level).
-        whole_step_problem: Why the whole step cannot be captured in this fit, or ``None`` if it can.
-        model_problem: Why the ``model`` level is not tried in this fit (the capture mode), or ``None``.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> class Block(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
-        >>> model = nn.Module()
-        >>> model.layers = nn.ModuleList([Block(), Block()])
-        >>> model.head = nn.Linear(4, 2)
-        >>> [(l.name, len(l.targets)) for l in build_levels(model, {}, "needs the strategy")]
-        [('attn', 2), ('attn+mlp', 4), ('layer', 2), ('model', 0), ('full_iteration', 0)]
-        >>> build_levels(model, {}, None)[3].unavailable  # the layers' list is never called as a whole
-        'trainable parameters outside a called submodule of Module: layers.0.attn.weight, ...'
+    ``overrides`` is the ``modules=`` option; ``whole_step_problem`` and ``model_problem`` say why those levels are
+    not tried in this fit (``None``: they are).
     """
     custom = tuple(name for name in overrides if name not in SCOPES)
     levels: list[Level] = []
@@ -150,16 +118,8 @@ def build_levels(
 def model_targets(model: nn.Module) -> tuple[Target, ...] | str:
     """The ``model`` level's regions: the module's children that hold its trainable parameters, or why there are none.
 
-    A child is a region when it holds a trainable parameter and can be called (a ``ModuleList`` or ``ModuleDict``
-    cannot). The level exists only when these children hold every trainable parameter: one left outside would train
-    eagerly between regions, which is what the narrower levels already do.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> module = nn.Module()
-        >>> module.net, module.loss = nn.Sequential(nn.Linear(4, 4)), nn.CrossEntropyLoss()
-        >>> [target.name for target in model_targets(module)]
-        ['net']
+    A ``ModuleList`` or ``ModuleDict`` is never called, so it is no region. The level exists only when the regions
+    hold every trainable parameter: otherwise it adds nothing to the narrower levels.
     """
     children = [
         Target(name, child, MODEL)

@@ -1,9 +1,6 @@
 """The options in the forms a user passes them, normalized into the forms the config stores.
 
-``scope`` becomes a tuple of names, ``modules`` a dict of selector tuples, and ``compile`` a
-:class:`~lightning_cudagraph._options.compile_options.CompileOptions` (or ``None``). A value of the wrong kind is
-refused here, in the package's error format; the rules between options live in
-:mod:`lightning_cudagraph._options.validation`.
+A value of the wrong kind is refused here; the rules between options live in :mod:`.validation`.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ def compile_options(component: str, value: Any, scope: tuple[str, ...], impl: An
 def _check_inductor_options(component: str, value: Mapping[str, Any]) -> None:
     """Refuse unknown inductor options, and values of another type than inductor's, before the fit.
 
-    Either fails inside torch.compile at the first step, without naming ``compile=``.
+    Either would fail inside torch.compile at the first step, without naming ``compile=``.
     """
     import torch._inductor  # imported only for a dict of options: it takes seconds
     import torch._inductor.config as inductor_config

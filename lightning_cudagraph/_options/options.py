@@ -1,10 +1,7 @@
 """The options of the callback and both strategies, declared once: name, type, default and description.
 
-:data:`OPTIONS` is the one declaration, in the form a user passes each option. The keyword parameters and the
-``Args:`` of :class:`~lightning_cudagraph.CUDAGraphCallback`, :class:`~lightning_cudagraph.CUDAGraphStrategy` and
-:class:`~lightning_cudagraph.DDPCUDAGraphStrategy` are written from it by ``scripts/option_signatures.py``, and
-``tests/test_option_signatures.py`` fails when they drift. :class:`~lightning_cudagraph._options.config.CUDAGraphConfig`
-holds the options once they are normalized and validated.
+The keyword parameters and ``Args:`` of the callback and strategies are written from :data:`OPTIONS` by
+``scripts/option_signatures.py``; ``tests/test_option_signatures.py`` fails when they drift.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Scope names to the modules they capture: built-in rules per scope, overridable per scope.
 
-The built-in rules live in :mod:`lightning_cudagraph._options.layouts`. ``modules=`` replaces a scope's rules with
-selectors (globs, classes or predicates) or defines a new scope.
-
-A match nested inside another match (``blocks.0.attn`` inside ``blocks.0`` when both ``attn`` and ``layer`` are
-asked for) resolves to the outer one, so every region of the model is captured by one graph.
+The built-in rules live in :mod:`.layouts`; ``modules=`` replaces them with selectors or defines a new scope. A match
+nested inside another (``blocks.0.attn`` in ``blocks.0``) resolves to the outer one, so each region of the model is
+captured by one graph.
 """
 
 from __future__ import annotations
@@ -57,24 +55,7 @@ def resolve_scopes(
 ) -> ScopeResolution:
     """Find the modules each scope names; raise ``ValueError`` for a scope that matches nothing.
 
-    Args:
-        model: The LightningModule (never captured itself).
-        scope: Scope names (``scope="auto"`` is resolved level by level: :mod:`lightning_cudagraph._rollout.ladder`).
-        overrides: Per-scope selectors that replace the built-in patterns (or define new scopes).
-        component: Named in error messages.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> class Block(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
-        >>> model = nn.Module()
-        >>> model.blocks = nn.ModuleList([Block(), Block()])
-        >>> [t.name for t in resolve_scopes(model, ["attn", "mlp"]).targets]
-        ['blocks.0.attn', 'blocks.0.mlp', 'blocks.1.attn', 'blocks.1.mlp']
-        >>> [t.name for t in resolve_scopes(model, ["layer", "attn"]).targets]
-        ['blocks.0', 'blocks.1']
+    ``overrides`` (``modules=``) replace the built-in patterns or define new scopes; the model root is never a target.
     """
     overrides = overrides or {}
     sites = sites_of(model)
@@ -110,16 +91,7 @@ def resolve_scopes(
 def resolve_present(
     model: nn.Module, scope: Sequence[str], overrides: Mapping[str, Sequence[Selector]] | None = None
 ) -> ScopeResolution:
-    """Like :func:`resolve_scopes`, for the scopes that match modules; the others are left out, not an error.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> model = nn.Module()
-        >>> model.blocks = nn.ModuleList([nn.Module()])
-        >>> model.blocks[0].attn = nn.Linear(4, 4)
-        >>> [t.name for t in resolve_present(model, ["attn", "mamba"]).targets]
-        ['blocks.0.attn']
-    """
+    """Like :func:`resolve_scopes`, for the scopes that match modules; the others are left out, not an error."""
     resolution = _resolve(sites_of(model), scope, overrides or {}, "CUDAGraphCallback")
     resolution.matched = {name: found for name, found in resolution.matched.items() if found}
     return resolution
@@ -148,11 +120,9 @@ def _override_matches_nothing(
     shown = selectors[0] if len(selectors) == 1 else list(selectors)
     globs = [s for s in selectors if isinstance(s, str)]
     close = [m for g in globs for m in difflib.get_close_matches(g, list(_name_patterns(model)), n=3, cutoff=0.5)]
-    suggestion = (
-        f"correct the selector (close names: {', '.join(repr(c) for c in dict.fromkeys(close))})"
-        if close
-        else ("correct the selector")
-    )
+    suggestion = "correct the selector"
+    if close:
+        suggestion += f" (close names: {', '.join(repr(c) for c in dict.fromkeys(close))})"
     builtin = BUILTIN_RULES.get(name)
     found = sum(1 for site in sites if builtin(site)) if builtin is not None else 0
     drop = (

@@ -1,8 +1,6 @@
 """The rules the options must meet together, checked once they are normalized and before any GPU work.
 
-Every rule raises ``ValueError`` with four parts: the component, the offending value, the allowed values, and the
-fix (:func:`~lightning_cudagraph._options.errors.config_error`). Rules that need the Trainer live in
-:mod:`lightning_cudagraph._rollout.preflight`.
+Rules that need the Trainer live in :mod:`lightning_cudagraph._rollout.preflight`.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ from lightning_cudagraph._options.options import (
     Selector,
 )
 
-#: A :class:`~lightning_cudagraph._options.config.CUDAGraphConfig`, which calls these rules: typed loosely here, so
-#: that the rules sit below the config they check instead of importing it back.
+#: A :class:`~lightning_cudagraph._options.config.CUDAGraphConfig`, typed loosely: the config imports these rules.
 Config = Any
 
 __all__ = ["validate"]
@@ -55,18 +52,10 @@ def validate(config: Config, component: str) -> None:
         _check_int(component, "seal_after_steps", config.seal_after_steps, 1, "pass an optimizer step, or None")
     if config.audit_every_n_steps is not None:
         _check_int(component, "audit_every_n_steps", config.audit_every_n_steps, 0, "pass a number of steps, or None")
-    if not isinstance(config.eval_graphs, bool):
-        raise config_error(
-            component, "eval_graphs", config.eval_graphs, "True or False", "pass eval_graphs=False for eager evaluation"
-        )
-    if not isinstance(config.optimizer_graph, bool):
-        raise config_error(
-            component,
-            "optimizer_graph",
-            config.optimizer_graph,
-            "True or False",
-            "pass optimizer_graph=False for an eager optimizer step",
-        )
+    _check_bool(component, "eval_graphs", config.eval_graphs, "pass eval_graphs=False for eager evaluation")
+    _check_bool(
+        component, "optimizer_graph", config.optimizer_graph, "pass optimizer_graph=False for an eager optimizer step"
+    )
     _validate_parity_tol(config, component)
     _validate_max_graphs(config, component)
     _validate_scope(config, component)
@@ -277,6 +266,11 @@ def _check_choice(component: str, option: str, value: Any, allowed: Sequence[str
 def _check_int(component: str, option: str, value: Any, minimum: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise config_error(component, option, value, f"an integer >= {minimum}", fix)
+
+
+def _check_bool(component: str, option: str, value: Any, fix: str) -> None:
+    if not isinstance(value, bool):
+        raise config_error(component, option, value, "True or False", fix)
 
 
 def _check_positive(component: str, option: str, value: Any, fix: str) -> None:
