@@ -1,14 +1,8 @@
 """Gradient accumulation inside the whole step: one graph per place in the accumulation window.
 
-With ``Trainer(accumulate_grad_batches=N)``, the micro-batches of a window do different work. The first zeroes the
-gradients, the last clips them and steps the optimizer, the ones between only add to them. Each place
-(:class:`Position`) of a batch shape gets its own whole-step graph, and a
-:class:`~lightning_cudagraph._graphs.step_pieces.StepWindow` holds them.
-
-The graphs of one window must add into the same gradient tensors. The first micro-batch's graph writes a set of
-gradient tensors; the later places are captured while every parameter's ``.grad`` is that set, so their graphs add
-into it. :class:`GradientBinding` keeps track of which set the parameters' ``.grad`` point at. After an eager
-micro-batch, a later place replays only if the gradients are still that set; otherwise it runs eagerly too.
+The micro-batches of a window do different work (the first zeroes the gradients, the last steps the optimizer), so each
+place of a batch shape gets its own whole-step graph. The graphs of one window must add into the gradient tensors the
+first one writes: :class:`GradientBinding` tracks which tensors the parameters' ``.grad`` are.
 """
 
 from __future__ import annotations
@@ -30,9 +24,7 @@ class Place(enum.Enum):
 
     #: Zeroes the gradients and steps the optimizer: no accumulation, or a window of one micro-batch.
     SINGLE = "single"
-    #: Zeroes the gradients, then adds its own.
     FIRST = "first"
-    #: Adds its gradients.
     MIDDLE = "middle"
     #: Adds its gradients, then clips and steps.
     LAST = "last"
@@ -84,16 +76,7 @@ class Position:
 class GradientBinding:
     """Which captured gradient tensors the parameters' ``.grad`` are, so later micro-batches add into the right ones.
 
-    Args:
-        parameters: The module's parameters, in a fixed order.
-
-    Example:
-        >>> import torch
-        >>> weight = torch.nn.Parameter(torch.ones(2))
-        >>> binding = GradientBinding([weight])
-        >>> captured = [torch.zeros(2)]
-        >>> binding.bind(captured); weight.grad is captured[0], binding.holds(captured)
-        (True, True)
+    After an eager micro-batch, a later place replays only if the gradients are still the bound set.
     """
 
     def __init__(self, parameters: list[torch.nn.Parameter]) -> None:
@@ -138,8 +121,8 @@ class GradientBinding:
     def adopt(self, grads: list[Tensor | None]) -> None:
         """After an eager step that stands for a captured one: move its gradients into ``grads`` and bind them.
 
-        A parameter whose gradient is missing on one side and not the other cannot be moved: the binding is then lost,
-        and the window's later micro-batches run eagerly.
+        A gradient missing on one side only cannot be moved: the binding is lost, and the window's later micro-batches
+        run eagerly.
         """
         with torch.no_grad():
             for p, grad in zip(self.parameters, grads, strict=True):

@@ -1,8 +1,8 @@
 """What every capture-mode driver shares: the driver interface, its level settings, capture bookkeeping, the budget.
 
-A driver carries out stages 2-7 for one capture mode (scoped regions, or the whole step); the stage machine says
-where the fit is, and the driver asks it to move on, roll back or give up. The rollout and the level runner talk to
-a driver through :class:`Driver` only: every per-batch call has a default here, so neither asks which driver it has.
+A driver carries out stages 2-7 for one capture mode (scoped regions, or the whole step) and asks the stage machine to
+move on, roll back or give up. The rollout and the level runner see only :class:`Driver`, whose defaults spare them
+asking which driver they have.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import CUDAGraphReport
 
-#: Capture warmup iterations per region before its capture (eager forward-backward runs). None: every region already ran
-#: eagerly on the capture stream, with the captured shapes, in the eager steps before (Transformer Engine keeps one).
+#: Eager forward-backward runs per region before its capture. 0: every region already ran eagerly, with the captured
+#: shapes, in the eager steps before (Transformer Engine keeps one).
 CAPTURE_WARMUP_ITERS = 0
 
 
@@ -32,16 +32,9 @@ class LevelSettings:
 
     Attributes:
         first_eager_steps: Eager steps before this driver's first capture (``warmup_steps`` for the first level).
-        warmup_iters: Capture warmup iterations before each capture.
         keep_samples: Keep recorded calls after a capture (``scope="auto"`` may capture another level from them).
         measure_pool: Read the pool's size after each capture (an allocator snapshot); ``scope="auto"`` reads it
             once settled, unless ``max_pool_mib`` needs it at every capture.
-
-    Example:
-        >>> from dataclasses import replace
-        >>> settings = LevelSettings(first_eager_steps=3, warmup_iters=3, keep_samples=False, measure_pool=True)
-        >>> replace(settings, first_eager_steps=1).first_eager_steps
-        1
     """
 
     first_eager_steps: int
@@ -64,13 +57,8 @@ class Driver(ABC):
     """Base of the capture-mode drivers.
 
     Args:
-        config: The validated options.
         component: Named in messages.
-        backend: Does the device work.
-        machine: The stage machine of this fit.
         settings: The level's settings (a fixed scope's: :meth:`LevelSettings.of`).
-        compiled: The compiled stand-in a driver owns with ``compile=`` (``None`` without); each driver types and
-            keeps its own (see its class).
     """
 
     def __init__(
@@ -80,7 +68,6 @@ class Driver(ABC):
         backend: CaptureBackend,
         machine: StageMachine,
         settings: LevelSettings,
-        compiled: object | None = None,
     ) -> None:
         self.config, self.component, self.backend, self.machine = config, component, backend, machine
         self.report: CUDAGraphReport = machine.report
@@ -90,14 +77,12 @@ class Driver(ABC):
         self.before_first_capture: Callable[[], None] = lambda: None
         #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
         self.captured_any = False
-        #: Asked where this driver could run an eager step that records nothing (right before its first capture, or
-        #: between replays): whether it runs one, ``scope="auto"``'s eager reference. The level runner owns the answer
-        #: (a driver that cannot run them never asks); by default never.
+        #: Whether to run an eager step that records nothing where one could run (before the first capture, or between
+        #: replays): ``scope="auto"``'s eager reference. The level runner owns the answer; by default never.
         self.take_reference_step: Callable[[], bool] = lambda: False
         #: Whether the step in progress is one of them.
         self.in_reference_step = False
-        #: Run the next planned step eagerly, counted as a fallback with this reason (a re-check of the step's
-        #: Python); the whole step's plan reads it once.
+        #: Run the next planned step eagerly, a fallback with this reason (a re-check of the step's Python).
         self.eager_next: str | None = None
 
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
@@ -108,7 +93,7 @@ class Driver(ABC):
         """Training starts: put in place what eager stabilization needs."""
 
     # ------------------------------------------------------------------ per batch (defaults: nothing to do)
-    def begin_batch(self, trainer: pl.Trainer, batch: Any) -> None:  # noqa: B027 (an optional hook)
+    def begin_batch(self, trainer: pl.Trainer, batch: Any) -> None:  # noqa: B027
         """Before every training batch, while graphs are allowed: decide what this batch does."""
 
     def plan(self, trainer: pl.Trainer, batch: Any) -> Any:
@@ -119,7 +104,7 @@ class Driver(ABC):
         """Carry out the optimizer step (the strategy's ``optimizer_step``); by default eagerly."""
         return run_step()
 
-    def on_training_step_output(self, output: Any) -> None:  # noqa: B027 (an optional hook)
+    def on_training_step_output(self, output: Any) -> None:  # noqa: B027
         """``training_step`` returned ``output``."""
 
     @property
@@ -149,7 +134,7 @@ class Driver(ABC):
         """Why no batch shape reached its capture, when the batches themselves say it (``None``: they do not)."""
         return None
 
-    def settle(self) -> None:  # noqa: B027 (an optional hook)
+    def settle(self) -> None:  # noqa: B027
         """The ladder settled on this driver's level: drop what was kept for other levels."""
 
     @abstractmethod
@@ -166,10 +151,7 @@ class Driver(ABC):
         """What this driver captured, by batch shape."""
 
     def take_seal_from(self, other: Driver) -> None:
-        """Carry a seal over from the driver this one replaces (``scope="auto"`` moving to another level).
-
-        The shapes captured there may be captured here; any other raises.
-        """
+        """Carry a seal over from the driver this one replaces (``scope="auto"`` moving to another level)."""
         if other.shape_cache.sealed:
             self.shape_cache.seal(other.shape_cache.known)
 
@@ -177,13 +159,13 @@ class Driver(ABC):
     def release(self) -> None:
         """Stage 7: free every graph and restore everything patched (idempotent)."""
 
-    def abandon_step(self) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
+    def abandon_step(self) -> None:  # noqa: B027
         """A training batch never reached its end (``on_train_batch_start`` returned -1)."""
 
-    def health_check(self, step: int) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
+    def health_check(self, step: int) -> None:  # noqa: B027
         """Once per log interval: read what the graphs count on the device (one host sync), if anything."""
 
-    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
+    def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:  # noqa: B027
         """Keep the checkpoint free of the package's state."""
 
     # ------------------------------------------------------------------ capture bookkeeping
@@ -197,8 +179,8 @@ class Driver(ABC):
     def count_capture(self, started: float, graphs: int, undo: Callable[[], None] | None = None) -> bool:
         """Count a capture and its memory; roll back if the pool is over budget. Returns whether to go on.
 
-        ``undo`` runs before a rollback (it puts back what the capture's Python changed, before release gives the
-        optimizers back).
+        ``undo`` runs before a rollback: it puts back what the capture's Python changed before release gives the
+        optimizers back.
         """
         self.report.captures += 1
         self.captured_any = True

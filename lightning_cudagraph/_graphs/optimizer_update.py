@@ -1,8 +1,4 @@
-"""How the optimizer graph meets the user's optimizer.
-
-Its step is replaced for the fit, its own update kept for the eager steps, the rule it must meet asked, a moved
-setting explained, and the graph's update measured against eager's.
-"""
+"""How the optimizer graph meets the user's optimizer: its step replaced, its rules, its settings, its update."""
 
 from __future__ import annotations
 
@@ -21,16 +17,7 @@ __all__ = ["eager_update_of", "optimizer_step_replaced", "setting_moved", "state
 
 @contextlib.contextmanager
 def optimizer_step_replaced(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Iterator[None]:
-    """``optimizer.step`` is ``step`` inside the block; on every exit it is what it was (the class's, or the user's).
-
-    Example:
-        >>> model = torch.nn.Linear(2, 2)
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> with optimizer_step_replaced(optimizer, lambda closure=None: "replayed"):
-        ...     inside = optimizer.step()
-        >>> inside, "step" in vars(optimizer)
-        ('replayed', False)
-    """
+    """``optimizer.step`` is ``step`` inside the block; on every exit it is what it was (the class's, or the user's)."""
     own = vars(optimizer)  # an instance attribute shadows the class's step; the class is left alone
     had, previous = "step" in own, own.get("step")
     own["step"] = step

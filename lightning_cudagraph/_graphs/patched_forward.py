@@ -1,9 +1,7 @@
 """A callable set as a module's ``forward`` on the instance, which gives back what was there: the one forward patcher.
 
 Training regions (:class:`~lightning_cudagraph._graphs.routing.TargetForward`) and evaluation regions
-(:class:`~lightning_cudagraph._graphs.eval_regions.RegionForward`) both route a module's calls through it. A forward
-the user (or another library) had set on the instance before is put back on :meth:`PatchedForward.restore`; otherwise
-the instance attribute is removed, so the class's ``forward`` is found again.
+(:class:`~lightning_cudagraph._graphs.eval_regions.RegionForward`) both build on it.
 """
 
 from __future__ import annotations
@@ -18,19 +16,8 @@ __all__ = ["PatchedForward"]
 class PatchedForward:
     """Set as ``module.forward`` by :meth:`install`; :meth:`restore` puts back the forward the instance had.
 
-    Args:
-        module: The module whose calls go through this object.
-
-    Example:
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> class Doubled(PatchedForward):
-        ...     def __call__(self, x):
-        ...         return self.run(x) * 2
-        >>> patch = Doubled(layer); patch.install()
-        >>> "forward" in vars(layer), patch.run == torch.nn.Linear.forward.__get__(layer)
-        (True, True)
-        >>> patch.restore(); "forward" in vars(layer)
-        False
+    A forward set on the instance before (by the user or a library) is put back; otherwise the instance attribute is
+    removed, so the class's ``forward`` is found again.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:

@@ -1,10 +1,8 @@
 """Capture passes of scoped regions, narrowed around the regions that cannot be captured.
 
-A pass captures the planned calls in execution order into one pool (:meth:`CaptureBackend.capture_regions`). Its
-outcome is agreed by every rank: a pass that fails as a whole rolls back; a region that fails (a host sync, a
-CPU-GPU copy) is left eager, or under ``scope="auto"`` a layer gives way to its parts (see
-:class:`~lightning_cudagraph._graphs.regions.RegionSet`), and the pass runs again without it into a new pool, since
-the allocator cannot capture into a pool after a failed capture.
+A pass captures the planned calls in execution order into one pool; every rank agrees its outcome. A pass that fails
+as a whole rolls back. A region that fails is left eager (under ``scope="auto"`` a layer gives way to its parts), and
+the pass runs again without it into a new pool: the allocator cannot capture into a pool after a failed capture.
 """
 
 from __future__ import annotations
@@ -35,14 +33,7 @@ class NarrowingCapture:
     """Runs capture passes until the regions left can all be captured, or nothing is left.
 
     Args:
-        config: The options (``on_failure`` and whether the scope is ``auto`` decide what a failed region does).
-        backend: Captures.
-        machine: Agrees the outcome across ranks, and rolls back.
         regions: Which targets are captured; exclusions and replacements are recorded there.
-
-    Example:
-        >>> capturer = NarrowingCapture(config, backend, machine, regions)  # doctest: +SKIP
-        >>> regions = capturer.capture(plan.calls, replan, warmup_iters=3)  # doctest: +SKIP
     """
 
     def __init__(
@@ -66,7 +57,7 @@ class NarrowingCapture:
         Args:
             calls: The planned calls, in execution order.
             replan: The calls left to capture once the regions that failed are out.
-            warmup_iters: Eager forward-backward iterations per region before its capture.
+            warmup_iters: Eager forward-backward runs per region before its capture.
             how: How regions are captured (``None``: the backend's default).
         """
         captured = self._pass(calls, warmup_iters, how)

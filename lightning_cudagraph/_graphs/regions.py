@@ -1,9 +1,8 @@
 """Which targets a scoped driver captures: the active ones, less those excluded, and the parts that replace a layer.
 
-Every target any level may capture is patched for the whole fit (a patched target that is not captured runs its
-original forward); the active set says which ones the next capture takes. A region whose capture or parity check
-fails is excluded, with its reason, and stays eager while the others keep their graphs; a layer that cannot be
-captured is replaced by its dense parts (attention, MLP, router), which were recorded alongside it.
+Every target any level may capture is patched for the whole fit (one not captured runs its original forward). A region
+whose capture or parity check fails stays eager while the others keep their graphs. A layer that cannot be captured is
+replaced by its dense parts (attention, MLP, router), which were recorded alongside it.
 """
 
 from __future__ import annotations
@@ -21,20 +20,7 @@ class RegionSet:
 
     Args:
         targets: Every patched target, in model order (nested ones included).
-        active: Names of the targets to capture now.
         parts: Layer name -> the targets that stand in for it when it cannot be captured.
-        report: Exclusions are written here.
-        component: Named in warnings.
-
-    Example:
-        >>> import torch.nn as nn
-        >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> layer, attn = Target("layers.0", nn.Linear(2, 2), "layer"), Target("layers.0.attn", nn.Linear(2, 2), "attn")
-        >>> regions = RegionSet([layer, attn], ["layers.0"], {"layers.0": (attn,)}, CUDAGraphReport(), "doc")
-        >>> regions.replace_with_parts("layers.0", "capture_failed: a host sync")
-        True
-        >>> [t.name for t in regions.active_targets]
-        ['layers.0.attn']
     """
 
     def __init__(

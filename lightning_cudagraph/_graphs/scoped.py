@@ -1,10 +1,9 @@
 """The scoped driver: graphs of target regions (attention, MLPs, layers, ...) inside an otherwise eager step.
 
-Stage by stage: eager stabilization records every target call (:mod:`lightning_cudagraph._trust.recording`); the shape
-decision (:mod:`lightning_cudagraph._trust.shape_change`) says when a batch shape is captured; capture runs the
-backend with the targets' hooks stashed (:mod:`lightning_cudagraph._graphs.region_capture`); confirmation weighs
-parity, addresses, backward order and replays (:mod:`lightning_cudagraph._graphs.confirmation`); replay is the
-router's job (:mod:`lightning_cudagraph._graphs.routing`); release resets every graph and restores every forward.
+Stage by stage: recording (:mod:`~lightning_cudagraph._trust.recording`), the shape decision
+(:mod:`~lightning_cudagraph._trust.shape_change`), capture (:mod:`~lightning_cudagraph._graphs.region_capture`),
+confirmation (:mod:`~lightning_cudagraph._graphs.confirmation`), replay (:mod:`~lightning_cudagraph._graphs.routing`);
+release resets every graph and restores every forward.
 """
 
 from __future__ import annotations
@@ -40,15 +39,9 @@ class ScopedDriver(Driver):
     """Captures and replays target regions, one graph set per batch signature.
 
     Args:
-        regions: Every patched target, and which of them are captured (see
-            :class:`~lightning_cudagraph._graphs.regions.RegionSet`).
-        config, component, backend, machine, settings: See :class:`~lightning_cudagraph._graphs.base.Driver`.
+        regions: Every patched target, and which of them are captured.
         compiled: ``compile=``: the compiled stand-ins of the targets' forwards (what training steps run and capture).
         observer: Watches the Python of each recorded call (``None``: a fit's own, untraced).
-
-    Example:
-        >>> driver = ScopedDriver(regions, config, "CUDAGraphCallback", backend, machine)  # doctest: +SKIP
-        >>> driver.start(trainer); driver.begin_batch(trainer, batch)  # doctest: +SKIP
     """
 
     #: How regions are captured (``None``: the backend's default, PyTorch's forward/backward graph pairs).
@@ -98,8 +91,7 @@ class ScopedDriver(Driver):
     def begin_batch(self, trainer: pl.Trainer, batch: Any) -> None:
         """Route the targets' calls of this training batch: replay, record, capture, or fall back.
 
-        A batch the package cannot see into (no key) runs eagerly, counted, or graphs are off when no graph exists
-        yet. Nothing happens once graphs are off.
+        A batch without a key runs eagerly, counted, or turns graphs off when no graph exists yet.
         """
         self.in_reference_step = False
         if not self.machine.graphs_allowed:
@@ -188,32 +180,25 @@ class ScopedDriver(Driver):
     # ------------------------------------------------------------------ shapes and levels
     @property
     def shape_cache(self) -> ShapeCache[GraphSet]:
-        """The graph sets by batch shape."""
         return self.graph_sets
 
     def seal(self, self_check: bool) -> None:
-        """Close the set of batch shapes; with ``self_check``, confirm every captured shape again on its next step.
-
-        The check replays each region's forward and runs the eager forward on the same inputs (parity), and checks
-        addresses and the backward order, as the first confirmation did.
-        """
+        """Close the set of batch shapes; with ``self_check``, confirm every captured shape again on its next step."""
         self.graph_sets.seal()
         if self_check:
             self.confirmation.recheck()
 
     def captured_regions(self) -> frozenset[str]:
-        """The names of the regions captured now (the active targets)."""
         return frozenset(target.name for target in self.regions.active_targets)
 
     def captured_modules(self) -> list[tuple[str, Any]]:
-        """The regions captured now, as ``(name, module)``."""
         return [(target.name, target.module) for target in self.regions.active_targets]
 
     def switch_level(self, names: Sequence[str]) -> bool:
         """From the next batch on, capture these targets (a level of ``scope="auto"``) in place.
 
         The graphs held now are released; the samples recorded so far serve the new capture, so it needs no eager
-        step of its own. ``False`` once this driver is released (the level runner builds a new one).
+        step of its own. ``False`` once this driver is released.
         """
         if self._released:
             return False
@@ -251,9 +236,8 @@ class ScopedDriver(Driver):
         """The strategy's ``optimizer_step``: the eager step, its update replayed as a graph once regions replay."""
         if self._released:
             return run_step()
-        # An eager reference step of scope="auto" (if this driver takes them) times eager training: its update too.
-        reference = getattr(self, "in_reference_step", False)
-        live = self.captured_any and self.machine.stage != Stage.WARMUP and not reference
+        # An eager reference step of scope="auto" times eager training: its update too.
+        live = self.captured_any and self.machine.stage != Stage.WARMUP and not self.in_reference_step
         return self.optimizer_graph.run(trainer, optimizer, run_step, graphs_live=live)
 
     def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:

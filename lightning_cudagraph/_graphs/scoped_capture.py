@@ -1,9 +1,6 @@
 """Stages 3-4 of the scoped driver: a batch shape's capture plan from its recorded steps, then its graph set.
 
-The plan comes from the shape's eager steps (:meth:`~lightning_cudagraph._trust.recording.WarmupRecorder.plan`): the
-calls to capture in execution order, or why the shape is not stable. The capture passes are
-:class:`~lightning_cudagraph._graphs.region_capture.NarrowingCapture` 's; here the regions become a graph set,
-counted and checked against the memory budget and the metrics inside them. The first shape starts confirmation.
+The captured regions become a graph set, counted and checked against the memory budget and the metrics inside them.
 """
 
 from __future__ import annotations
@@ -31,16 +28,8 @@ class GraphSetCapture:
 
     Args:
         driver: The scoped driver (its options, settings, stage machine and capture bookkeeping).
-        regions: Which targets are captured.
-        recorder: The recorded eager steps, by batch shape.
-        narrowing: Runs the capture passes.
         router: Routes the targets' calls (told about each region's backward).
-        graph_sets: Where a captured graph set is held.
         state: Watches the captured regions' tensors from the first capture on.
-
-    Example:
-        >>> capture = GraphSetCapture(driver, regions, recorder, narrowing, router, graph_sets, state)  # doctest: +SKIP
-        >>> graph_set = capture.capture_shape(batch, outcome, method=None)  # doctest: +SKIP
     """
 
     def __init__(

@@ -1,9 +1,7 @@
 """The capture of one whole step: ``training_step``, backward and the optimizer step recorded into one graph.
 
-The capture runs ``training_step`` 's Python once. While it runs, the strategy's hooks hand the step's output here
-(:meth:`StepCapture.on_training_step_output`: the static output and the in-graph non-finite check). A capture that
-fails on any rank is dropped on every rank, and what its Python changed (metric states and counters, module
-attributes, generators) is put back, so the step can run again eagerly.
+A capture that fails on any rank is dropped on every rank, and what its Python changed is put back, so the step can run
+again eagerly.
 """
 
 from __future__ import annotations
@@ -28,13 +26,7 @@ class StepCapture:
     """Captures whole steps on the backend and says what ran inside them.
 
     Args:
-        backend: Captures.
-        machine: Agrees the outcome across ranks, and rolls back.
         flags: The non-finite flags the captured step writes.
-
-    Example:
-        >>> capture = StepCapture(backend, machine, flags)  # doctest: +SKIP
-        >>> metrics = capture.capture(whole, run_step, module, before)  # doctest: +SKIP
     """
 
     def __init__(self, backend: CaptureBackend, machine: StageMachine, flags: NonFiniteFlags) -> None:
@@ -64,7 +56,7 @@ class StepCapture:
         Args:
             whole: Receives the graph, the output and the ``self.log`` calls.
             run_step: Lightning's optimizer step (``training_step`` and backward run inside it).
-            module: The LightningModule (its metrics and logs).
+            module: The LightningModule.
             before: Everything the step changes, copied before: put back when the capture is dropped.
         """
         metrics = MetricUpdates([("", module)])

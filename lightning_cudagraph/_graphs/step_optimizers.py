@@ -16,21 +16,12 @@ from lightning_cudagraph._backend.optimizers import OptimizerSettings, describe_
 
 
 class StepOptimizers:
-    """The optimizers one whole-step driver prepared, and their settings when graphs were captured (or at start).
-
-    Args:
-        backend: Makes each optimizer capturable.
-
-    Example:
-        >>> optimizers = StepOptimizers(backend)  # doctest: +SKIP
-        >>> optimizers.prepare(trainer.optimizers[0]); optimizers.settings_problem() is None  # doctest: +SKIP
-        True
-    """
+    """The optimizers one whole-step driver prepared, and their settings when graphs were captured (or at start)."""
 
     def __init__(self, backend: CaptureBackend) -> None:
         self._backend = backend
         self.prepared: dict[int, PreparedOptimizer] = {}
-        #: The optimizers as the user holds them, and their settings when graphs were captured (or at start).
+        #: The optimizers as the user holds them.
         self.user: list[torch.optim.Optimizer] = []
         self._settings: dict[int, OptimizerSettings] = {}
         self._hooks: dict[int, tuple[int, int, int, int]] = {}

@@ -1,8 +1,6 @@
 """The whole step's plan: what the next optimizer step does, decided in ``batch_to_device`` before it runs.
 
-:class:`StepPlanner` makes a :data:`~lightning_cudagraph._graphs.step_pieces.StepPlan` for each training batch:
-replay the graph of its shape and place in the accumulation window, capture one, or run eagerly (a fallback, with
-its reason). :meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.run` carries the plan out.
+:meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.run` carries the plan out.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ class StepPlanner:
     """Plans each training batch of the whole step: replay, capture, or run eagerly.
 
     Args:
-        machine: The stage machine of this fit (an opaque batch before any graph turns graphs off).
-        shapes: The shape decision over the driver's captured steps.
         confirm_steps: Replays a new capture checks before it is trusted.
     """
 

@@ -17,12 +17,7 @@ class TEScopedDriver(ScopedDriver):
     """Scoped graphs captured by ``transformer_engine.pytorch.make_graphed_callables``.
 
     With FP8 and gradient accumulation (automatic optimization), weights are quantized once per optimizer step:
-    the graphs are captured with ``cache_quantized_params`` and an
-    :class:`~lightning_cudagraph._backend.te.FP8WeightCache` tells each micro-batch whether it starts the window.
-
-    Args:
-        trainer: Gives the precision plugin (the FP8 recipe) and the accumulation setting.
-        *args: See :class:`~lightning_cudagraph._graphs.scoped.ScopedDriver`.
+    an :class:`~lightning_cudagraph._backend.te.FP8WeightCache` tells each micro-batch whether it starts the window.
     """
 
     def __init__(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:

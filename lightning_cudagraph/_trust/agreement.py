@@ -1,13 +1,9 @@
 """Decisions taken once for all ranks: one small collective at each decision point, never one per step.
 
-Under DDP every rank runs its own rollout. A decision that one rank takes alone (roll back, exclude a region, keep
-a wider level) would leave one rank replaying a graph while another runs the same step eagerly: with a captured
-all-reduce that is a hang, with scoped graphs different numerics. Each decision point therefore folds every
-rank's view into one answer: all must agree to go on, any rank's failure excludes a region everywhere, and a
-level's step time is the slowest rank's (DDP runs at the pace of its slowest rank).
-
-Decision points are reached by every rank at the same step (they depend on the step count and on earlier agreed
-decisions only), so the collectives pair up. A single process takes no collective at all.
+A decision one rank took alone would leave it replaying a graph while another runs the step eagerly: a hang with a
+captured all-reduce, different numerics with scoped graphs. Every rank reaches a decision point at the same step (it
+depends on the step count and earlier agreed decisions only), so the collectives pair up. A level's step time is the
+slowest rank's (DDP runs at the pace of its slowest rank).
 """
 
 from __future__ import annotations
@@ -22,13 +18,7 @@ class RankAgreement:
     """Agrees decisions across the ranks of the default process group (a no-op in a single process).
 
     Args:
-        device: Where the collective's tensor lives: the rank's CUDA device under NCCL, the CPU under gloo.
-
-    Example:
-        >>> import torch
-        >>> agreement = RankAgreement(torch.device("cpu"))  # one process: every answer is this rank's own
-        >>> agreement.all_ok(True), agreement.any_of([False, True]), agreement.slowest(2.5, 1.1)
-        (True, [False, True], [2.5, 1.1])
+        device: Where the collective's tensor lives under NCCL (gloo's is on the CPU).
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -1,13 +1,7 @@
 """What a failed capture means in a layout the package knows, and its fix.
 
-A capture fails on a host sync (``.item()``, a data-dependent branch, a tensor's size read on the host), and an
-observed step whose operations follow the data cannot be frozen into a whole-step graph. The error names the
-operation, not the module or the fix. Where the module holds a layout whose host sync is known, the reason says
-which module and what to change:
-
-- Hugging Face MoE experts run with ``experts_implementation="eager"`` loop over the experts that received tokens,
-  which reads the routing on the host; ``set_experts_implementation("grouped_mm")`` (or ``"batched_mm"``) routes
-  on the device.
+A host sync fails a capture with an error that names the operation, not the module or the fix. For a known layout
+(Hugging Face's eager MoE experts, whose loop reads the routing on the host) the reason names both.
 """
 
 from __future__ import annotations
@@ -21,13 +15,7 @@ _HOST_SYNC = ("operation not permitted when stream is capturing", "cudaErrorStre
 
 
 def capture_failure(error: BaseException, module: torch.nn.Module | None) -> str:
-    """The reason of a failed capture of ``module``: the error, then the cause and the fix where the layout is known.
-
-    Example:
-        >>> import torch
-        >>> capture_failure(RuntimeError("boom"), torch.nn.Linear(2, 2))
-        'capture_failed: RuntimeError: boom'
-    """
+    """The reason of a failed capture of ``module``: the error, then the cause and the fix where the layout is known."""
     reason = f"capture_failed: {type(error).__name__}: {error}"
     if module is None or not any(words in str(error) for words in _HOST_SYNC):
         return reason
@@ -36,13 +24,7 @@ def capture_failure(error: BaseException, module: torch.nn.Module | None) -> str
 
 
 def known_cause(module: torch.nn.Module) -> tuple[str, str] | None:
-    """The module inside ``module`` whose layout syncs with the host, as ``(cause, fix)``; ``None`` where none is known.
-
-    Example:
-        >>> import torch
-        >>> known_cause(torch.nn.Linear(2, 2)) is None
-        True
-    """
+    """The module inside ``module`` whose layout syncs with the host, as ``(cause, fix)``, or ``None``."""
     eager = next((name for name, inner in module.named_modules() if _eager_experts(inner)), None)
     if eager is None:
         return None

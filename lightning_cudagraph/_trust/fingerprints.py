@@ -1,8 +1,4 @@
-"""Python state as fingerprints that two observed steps are compared by.
-
-The fingerprints cover the global random generators and the plain attributes of modules (counters, lists a step
-appends to, flags).
-"""
+"""Python state as fingerprints that two observed steps are compared by: random generators, module attributes."""
 
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ __all__ = ["describe_changes", "python_state", "random_states"]
 
 
 def random_states() -> dict[str, Any]:
+    """The global random generators' states, by name (NumPy's only once imported)."""
     states: dict[str, Any] = {"Python's random": random.getstate()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -28,9 +25,7 @@ def random_states() -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- module attributes
 def python_state(modules: Sequence[torch.nn.Module], deep: bool = True) -> dict[str, Any]:
-    """A fingerprint of the plain Python attributes of ``modules`` and everything inside them, by qualified name.
-
-    ``deep=False``: the modules' own attributes only.
+    """A fingerprint of the plain Python attributes of ``modules`` (``deep``: and everything inside), by qualified name.
 
     Tensors, submodules, hooks and the framework's own bookkeeping are left out; torchmetrics metrics are watched by
     their update counts elsewhere.

@@ -1,20 +1,9 @@
 """What the Python of an eager step depends on, seen before a graph is trusted with it.
 
-A graph replays kernels: the Python that launched them runs once, at capture. Whatever it decided per step is frozen
-then: a skipped batch, a weight read from ``self.global_step``, a branch on the epoch or on ``batch_idx``, a draw
-from Python's ``random``, a list it appends to, a counter it increments. An :class:`Observer` watches spans of eager
-Python (a whole step, or one call of a region) and returns a :class:`Behaviour` for each:
-
-- the per-step values Lightning hands the step that user code read (``self.global_step``, ``self.current_epoch``,
-  ``trainer.global_step``, ``batch_idx``), with the line that read them;
-- draws from Python's and NumPy's global random generators;
-- module attributes the span changed (counters, lists it appends to, new attributes), torchmetrics states aside;
-- the operations it launched and the Python numbers baked into them (a recording dispatch mode), compared from one
-  span to the next;
-- whether the step skipped its batch (returned no loss).
-
-Only eager spans are watched: the warmup steps, the recorded calls of regions, and the re-checks at epoch
-boundaries. A replayed step runs none of this.
+A graph replays kernels: whatever the Python that launched them decided per step is frozen at capture (a skipped batch,
+a branch on ``batch_idx``, a draw from ``random``, a counter it increments). An :class:`Observer` watches spans of eager
+Python (a whole step, or one call of a region) and returns a :class:`Behaviour` for each. Only eager spans are watched
+(warmup steps, recorded calls, re-checks at epoch boundaries); a replayed step runs none of this.
 """
 
 from __future__ import annotations
@@ -48,17 +37,12 @@ class Behaviour:
     """What one span of eager Python did that a graph would not do again.
 
     Attributes:
-        reads: Per-step values read by user code -> where (the first read).
-        random: The global random generators the span drew from.
-        mutated: Module attributes the span changed, described.
+        reads: Per-step values read by user code (``self.global_step``, ``trainer.current_epoch``, ``batch_idx``)
+            -> the line of the first read.
+        random: The global random generators (Python's, NumPy's) the span drew from.
+        mutated: Module attributes the span changed, described (torchmetrics states aside).
         trace: The operations launched and their non-tensor arguments (``None`` when not traced).
         skipped: Whether the step returned no loss (a skipped batch).
-
-    Example:
-        >>> Behaviour(reads={"batch_idx": "train.py:7: `if batch_idx % 4 == 3:`"}).depends()
-        'reads batch_idx (train.py:7: `if batch_idx % 4 == 3:`)'
-        >>> Behaviour(trace=(("aten::mul.Tensor", 1.0),)).differs(Behaviour(trace=(("aten::mul.Tensor", 0.1),)))
-        'operation 0 went from aten::mul.Tensor(1.0) to aten::mul.Tensor(0.1)'
     """
 
     reads: dict[str, str] = field(default_factory=dict)
@@ -98,7 +82,7 @@ def frozen_by_a_graph(spans: Sequence[Behaviour], setup: int = 1) -> str | None:
 
     A read, a draw or a skip counts in any span. The first ``setup`` spans may set things up once (a lazy buffer,
     Lightning's first ``self.log``, DDP's bucket rebuild): attribute changes count after them, and operations are
-    compared with the first span after them. ``None``: nothing a graph would freeze.
+    compared with the first span after them.
 
     Example:
         >>> spans = [Behaviour(trace=(("aten::mul", 1.0),)), Behaviour(trace=(("aten::mul", 1.0),))]
@@ -173,8 +157,8 @@ class Observer:
     ) -> Iterator[Behaviour]:
         """Watch what runs inside: reads through ``reader`` (and its Trainer), random draws, attributes of ``modules``.
 
-        The yielded :class:`Behaviour` is filled in when the span ends. ``paused``: the trace starts at
-        :meth:`resume` (``training_step``: what the optimizer runs before its closure is not the step's own).
+        The yielded :class:`Behaviour` is filled in when the span ends. ``paused``: the trace starts at :meth:`resume`
+        (what the optimizer runs before its closure is not the step's own).
         """
         seen = Behaviour()
         before, draws = python_state(modules), random_states()
@@ -208,11 +192,7 @@ class Observer:
 
     @contextlib.contextmanager
     def _logs_untraced(self, module: pl.LightningModule | None, excused: set[str]) -> Iterator[None]:
-        """``self.log`` left out of the trace, and the attributes it changes excused.
-
-        Replays re-issue ``self.log`` calls, so what they change (Lightning's results, set up anew each epoch; a
-        counter in a user's ``log`` override) is no frozen Python.
-        """
+        """``self.log`` left out of the trace, and the attributes it changes excused: replays re-issue its calls."""
         if module is None or "log" in vars(module):
             yield
             return

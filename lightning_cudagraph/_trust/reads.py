@@ -1,8 +1,7 @@
 """Where user code reads the per-step values a graph would freeze: ``global_step``, ``current_epoch``, ``batch_idx``.
 
-During an observed step the two counters are read through patched class properties of the LightningModule and the
-Trainer, and ``batch_idx`` is an ``int`` that notes the arithmetic and comparisons user code makes with it. Each
-read notes the first line outside the framework that made it; reads by torch and Lightning themselves are theirs.
+The counters are read through patched class properties of the LightningModule and the Trainer; ``batch_idx`` is an
+``int`` that notes what user code does with it. Reads by torch, Lightning or this package are not noted.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 
 __all__ = ["reads_watched", "watched_index"]
 
-#: Frames of these packages (torch, Lightning, this one) are not the user's: what they read is their own business.
+#: Frames of torch, Lightning and this package are not the user's.
 _PACKAGE_FILE = sys.modules[__name__.partition(".")[0]].__file__
 _FRAMEWORK_DIRS = tuple(
     os.path.dirname(path) + os.sep
@@ -99,53 +98,11 @@ def _watching(name: str) -> Callable[..., Any]:
     return method
 
 
-for _name in [
-    "__eq__",
-    "__ne__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__hash__",
-    "__bool__",
-    "__index__",
-    "__int__",
-    "__float__",
-    "__str__",
-    "__repr__",
-    "__format__",
-    "__neg__",
-    "__pos__",
-    "__abs__",
-    "__round__",
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__mod__",
-    "__rmod__",
-    "__divmod__",
-    "__rdivmod__",
-    "__pow__",
-    "__rpow__",
-    "__and__",
-    "__rand__",
-    "__or__",
-    "__ror__",
-    "__xor__",
-    "__rxor__",
-    "__lshift__",
-    "__rlshift__",
-    "__rshift__",
-    "__rrshift__",
-]:
-    setattr(_WatchedIndex, _name, _watching(_name))
+#: The ``int`` methods a watched index notes: comparisons, conversions, and arithmetic (reflected too).
+_METHODS = "eq ne lt le gt ge hash bool index int float str repr format neg pos abs round"
+_OPERATORS = "add sub mul truediv floordiv mod divmod pow and or xor lshift rshift"
+for _name in [*_METHODS.split(), *(f"{side}{op}" for op in _OPERATORS.split() for side in ("", "r"))]:
+    setattr(_WatchedIndex, f"__{_name}__", _watching(f"__{_name}__"))
 
 
 def watched_index(value: int, reads: dict[str, str], name: str = "batch_idx") -> int:

@@ -1,9 +1,7 @@
 """Eager stabilization: what each target was called with during eager steps, per batch shape, and whether it is stable.
 
-During eager steps every call of a target is recorded (its
-:class:`~lightning_cudagraph._backend.signature.CallSignature` and its position in the step), separately for each batch
-shape: every shape gets its own stabilization. The inputs of a shape's latest step are kept, as detached copies, to
-serve as its capture's sample inputs: real data, so a capture never feeds a module values it would not see.
+The inputs of a shape's latest step are kept, as detached copies, as its capture's sample inputs: real data, so a
+capture never feeds a module values it would not see.
 """
 
 from __future__ import annotations
@@ -56,23 +54,9 @@ class WarmupRecorder:
     """Collects :class:`StepRecord` s while targets run eagerly.
 
     Args:
-        targets: The patched targets, by index.
         history: Steps kept per batch shape.
         run_of: What training steps run for target ``index`` (``None``: its module's forward); a capture plan's
             calls run that.
-
-    Example:
-        >>> import torch, torch.nn as nn
-        >>> from lightning_cudagraph._options.scopes import Target
-        >>> layer = nn.Linear(4, 4)
-        >>> recorder = WarmupRecorder([Target("layer", layer, "layer")])
-        >>> for rows in (8, 8, 5):
-        ...     recorder.begin_step(batch=("same batch shape",), keep_samples=False)
-        ...     x = torch.ones(rows, 4)
-        ...     recorder.record(0, (x,), {})
-        ...     recorder.end_step()
-        >>> print(recorder.plan(set(), batch=("same batch shape",)).unstable)
-        layer: input 0: float32[8, 4] -> float32[5, 4]
     """
 
     def __init__(
@@ -80,7 +64,6 @@ class WarmupRecorder:
     ) -> None:
         self._targets = list(targets)
         self._history = history
-        #: What training steps run for a target (a capture records that): its forward, or a compiled stand-in.
         self._run_of = run_of or (lambda index: self._targets[index].module.forward)
         self._by_batch: dict[tuple[Any, ...], list[StepRecord]] = {}
         #: Steps recorded per batch shape, all of them: with gradient accumulation N warmup steps (optimizer steps)
@@ -122,10 +105,7 @@ class WarmupRecorder:
             self._current.behaviours.setdefault(index, behaviour)
 
     def end_step(self) -> None:
-        """Close the step (a step with no target call is still kept: it says the targets did not run).
-
-        Only the shape's latest samples are kept: they are what its capture will use.
-        """
+        """Close the step (one with no target call is kept: the targets did not run); only the latest samples stay."""
         current, self._current = self._current, None
         if current is None:
             return
@@ -150,10 +130,6 @@ class WarmupRecorder:
     def discard_step(self) -> None:
         """Drop the step being recorded (it never ran to its end)."""
         self._current = None
-
-    def last_step_for(self, batch: tuple[Any, ...]) -> StepRecord | None:
-        """The most recent recorded step with samples whose batch had this key."""
-        return next((s for s in reversed(self._by_batch.get(batch, [])) if s.samples), None)
 
     def plan(self, excluded: set[int], batch: tuple[Any, ...]) -> CapturePlan:
         """Decide what to capture for batches of shape ``batch`` from that shape's recorded steps.
@@ -202,7 +178,7 @@ class WarmupRecorder:
                     f"step_python: its forward's Python {python}, which a graph would freeze"
                 )
                 continue
-        order = [i for i, _ in last.calls if target_name(self._targets, i) not in plan.skipped and i not in excluded]
+        order = [i for i, _ in last.calls if self._targets[i].name not in plan.skipped and i not in excluded]
         for index in order:
             signature = next(sig for i, sig in last.calls if i == index)
             target = self._targets[index]
@@ -212,11 +188,6 @@ class WarmupRecorder:
                 return plan
             plan.calls.append(RecordedCall(target.name, target.module, self._run_of(index), signature, samples))
         return plan
-
-
-def target_name(targets: Sequence[Target], index: int) -> str:
-    """The qualified name of target ``index``."""
-    return targets[index].name
 
 
 def _sample_of(tensor: Tensor) -> Tensor:

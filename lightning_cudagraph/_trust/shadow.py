@@ -1,9 +1,8 @@
 """The shadow step: a whole-step graph checked against the eager step from the same state, on the same batch.
 
-The graph replays from a copy of the training state (:class:`~lightning_cudagraph._trust.snapshot.TrainingState`); its
-loss and parameters are kept, the copy is put back, and the step runs eagerly, which is the step training keeps.
-:func:`compare` then weighs the two with one host sync. The whole-step driver runs it on every capture step and
-every ``audit_every_n_steps`` replayed steps.
+The graph replays from a copy of the training state; its loss and parameters are kept, the copy is put back, and the
+eager step, which training keeps, runs. The whole-step driver runs it on every capture step and every
+``audit_every_n_steps`` replayed steps.
 """
 
 from __future__ import annotations
@@ -20,14 +19,7 @@ from lightning_cudagraph._trust.tolerance import step_tolerance
 
 @dataclass(frozen=True)
 class Verdict:
-    """How a shadow step came out.
-
-    Example:
-        >>> Verdict(error=0.2, tolerance=1e-3, losses=(2.5, 2.0)).reason(step=7).split(" at ")[1].split(";")[0]
-        'step 7 (loss 2.5 graphed, 2 eager)'
-        >>> Verdict(error=1e-7, tolerance=1e-3).passed
-        True
-    """
+    """How a shadow step came out."""
 
     error: float
     tolerance: float
@@ -59,9 +51,9 @@ def compare(
 ) -> Verdict:
     """Weigh the graph's step (``graph_params``, ``graph_loss``) against the eager step now in ``state`` 's tensors.
 
-    The difference is the largest of the parameter update's (:meth:`TrainingState.update_error_of`), the loss's and,
-    for a micro-batch that only accumulates, the gradients' (``graph_grads``, measured against what the step added:
-    all of the gradient when it ``zeroed`` them first), all relative; one host sync reads it.
+    The difference is the largest relative one of the parameter update, the loss and, for a micro-batch that only
+    accumulates, the gradients (``graph_grads``; all of each gradient counts when the step ``zeroed`` them first).
+    One host sync reads it.
     """
     error = state.update_error_of(graph_params).float()
     if graph_grads is not None:

@@ -1,9 +1,4 @@
-"""Graphs by batch shape: a bounded, least-recently-used cache that can be sealed.
-
-Every capture mode keeps one graph set per batch shape. The cache holds at most ``limit`` of them; a new shape
-evicts the one used longest ago (its graphs are reset, and captured again if it comes back). Once sealed, the set
-of shapes is closed: nothing is evicted, and a shape outside it is an error that names it and the captured set.
-"""
+"""Graphs by batch shape: a bounded, least-recently-used cache that can be sealed (a shape outside it is an error)."""
 
 from __future__ import annotations
 
@@ -23,12 +18,7 @@ T = TypeVar("T")
 class GraphCache(Generic[T]):
     """Graphs by key, at most ``limit`` of them: a new key evicts the one used longest ago, which is reset.
 
-    The one cache of the package's graphs: :class:`ShapeCache` (training, by batch shape, sealable) and the
-    evaluation graphs (:class:`~lightning_cudagraph._graphs.eval_capture.EvalGraphCache`) build on it.
-
-    Args:
-        limit: Most graphs held at once.
-        reset: Frees an evicted graph.
+    The one cache of the package's graphs: :class:`ShapeCache` and the evaluation graphs build on it.
 
     Example:
         >>> freed = []
@@ -84,22 +74,7 @@ class GraphCache(Generic[T]):
 
 
 class ShapeCache(GraphCache[T]):
-    """Graph sets by batch key, least recently used first; sealable.
-
-    Args:
-        limit: Most graph sets held at once.
-        report: Evictions are counted here.
-        component: Named in messages and errors.
-        reset: Frees an evicted graph set.
-
-    Example:
-        >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> report = CUDAGraphReport()
-        >>> cache = ShapeCache(1, report, "CUDAGraphCallback", reset=lambda item: None)
-        >>> cache.add(("a",), "A"); cache.add(("b",), "B")
-        >>> report.evictions, cache.admits(("c",)), sorted(cache.known)
-        (1, True, [('a',), ('b',)])
-    """
+    """Graph sets by batch key, least recently used first; sealable."""
 
     def __init__(self, limit: int, report: CUDAGraphReport, component: str, reset: Callable[[T], None]) -> None:
         super().__init__(limit, reset)

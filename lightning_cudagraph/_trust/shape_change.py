@@ -1,10 +1,4 @@
-"""The one home of ``on_shape_change``: what a batch shape does, for the scoped and the whole-step driver alike.
-
-``on_shape_change`` is parsed into a :class:`ShapeChange` once, when a driver is built. :class:`ShapeDecision`
-answers for each batch shape: replay its graph set, run its own eager steps, fall back to eager (counted, with the
-reason), wait, capture it (saying which graph set the capture evicts), or raise. Its error is the only text of
-``on_shape_change="error"``.
-"""
+"""The one home of ``on_shape_change``: what a batch shape does, for the scoped and the whole-step driver alike."""
 
 from __future__ import annotations
 
@@ -19,12 +13,7 @@ from lightning_cudagraph.health import Stage
 
 
 class ShapeChange(enum.Enum):
-    """What a batch of another shape does once graphs exist (the ``on_shape_change`` option).
-
-    Example:
-        >>> ShapeChange("recapture")
-        <ShapeChange.RECAPTURE: 'recapture'>
-    """
+    """What a batch of another shape does once graphs exist (the ``on_shape_change`` option)."""
 
     EAGER = "eager"
     RECAPTURE = "recapture"
@@ -34,7 +23,6 @@ class ShapeChange(enum.Enum):
 class ShapeAction(enum.Enum):
     """What one batch does with its shape's graphs."""
 
-    #: Replay the shape's graph set.
     REPLAY = "replay"
     #: One of the shape's own eager steps before its capture (recorded, for a scoped capture).
     EAGER = "eager"
@@ -42,7 +30,6 @@ class ShapeAction(enum.Enum):
     FALLBACK = "fallback"
     #: Run eagerly and wait: the warmup steps were not all finite, so nothing is captured yet.
     WAIT = "wait"
-    #: Capture the shape's graph set now.
     CAPTURE = "capture"
 
 
@@ -51,7 +38,6 @@ class ShapeOutcome:
     """The answer for one batch.
 
     Attributes:
-        action: What the batch does.
         reason: Why the step runs eagerly while graphs are in use (a fallback's reason), else ``None``.
         evicts: The batch key whose graph set a capture evicts (the least recently used, when the cache is full).
         held: The shape's graph set, to replay.
@@ -72,34 +58,11 @@ def shape_change_error(component: str, change: str) -> RuntimeError:
 
 
 class ShapeDecision:
-    """Decides what each batch shape does, from ``on_shape_change``, the shape cache and the stage.
-
-    Args:
-        policy: The ``on_shape_change`` option, as given.
-        cache: The driver's graph sets by batch shape.
-        machine: The stage machine (the stage, and whether the warmup steps were finite).
-        component: Named in errors.
-
-    Example:
-        >>> import torch
-        >>> from lightning_cudagraph._options.batches import batch_key
-        >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> report = CUDAGraphReport()
-        >>> from lightning_cudagraph._trust.failure import FailurePolicy
-        >>> machine = StageMachine(report, FailurePolicy("CUDAGraphCallback", "eager"), release=lambda: None)
-        >>> decision = ShapeDecision("eager", ShapeCache(1, report, "CUDAGraphCallback", print), machine, "C")
-        >>> decision.decide(batch_key((torch.zeros(8, 16),)), seen=0, needed=3).action
-        <ShapeAction.EAGER: 'eager'>
-    """
+    """Decides what each batch shape does, from ``on_shape_change``, the shape cache and the stage."""
 
     def __init__(self, policy: str, cache: ShapeCache[Any], machine: StageMachine, component: str) -> None:
         self.policy = ShapeChange(policy)
         self.cache, self.machine, self.component = cache, machine, component
-
-    @property
-    def strict(self) -> bool:
-        """Whether a shape the graphs were not captured for raises (``on_shape_change="error"``)."""
-        return self.policy is ShapeChange.ERROR
 
     def decide(self, key: tuple[Any, ...], seen: int, needed: int, uncapturable: bool = False) -> ShapeOutcome:
         """What a batch with key ``key`` does; raises under ``on_shape_change="error"`` or outside a sealed set.

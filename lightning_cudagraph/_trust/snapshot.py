@@ -1,11 +1,8 @@
 """A copy of what one training step can change in user state, to put back after a capture or a shadow step.
 
-A whole-step capture runs ``training_step`` 's Python once without running its kernels; a capture that fails, or
-one whose graph is then dropped, has still run that Python: a torchmetrics ``update`` bumped its counters and may
-have rebound its states to tensors in the graph's pool, a counter on the module moved, the CPU generator drew.
-A shadow step (the eager step run beside the graph to check it) changes the parameters and the optimizer too.
-:class:`TrainingState` copies all of it before, and :meth:`TrainingState.restore` puts it back, so that the step
-then runs exactly once.
+A dropped whole-step capture has still run ``training_step`` 's Python: a torchmetrics ``update`` bumped its counters
+and may have rebound its states to tensors in the graph's pool, a counter moved, the CPU generator drew. A shadow step
+changes the parameters and the optimizer too. Putting it all back makes the step run exactly once.
 """
 
 from __future__ import annotations
@@ -146,9 +143,8 @@ class TrainingState:
     def gradient_error_of(self, other: list[Tensor | None], zeroed: bool) -> Tensor:
         """Largest relative difference between the gradients in ``other`` and the ones the parameters hold (no sync).
 
-        Each difference is measured against what the step added to the gradient (all of it when the step ``zeroed``
-        the gradients first), as :meth:`update_error_of` does for the parameters. A gradient that one side has and
-        the other does not counts as infinitely off.
+        Each is relative to what the step added to the gradient (all of it when the step ``zeroed`` them first). A
+        gradient only one side has counts as infinitely off.
         """
         errors = []
         for (p, _, _, saved_grad), theirs in zip(self.weights, other, strict=True):
@@ -178,8 +174,7 @@ class TrainingState:
         """Largest relative difference between the update in ``other`` and the one the parameters got (no sync).
 
         ``other`` holds the parameters after another step from the same state (:meth:`parameters_now` then
-        :meth:`restore`); each difference is measured against the size of the update the parameters got, so a
-        frozen hyperparameter or a wrong batch cannot hide behind the size of the weights.
+        :meth:`restore`).
         """
         errors = [
             _off_by(p.detach().float(), before.float(), after.float())
@@ -192,8 +187,8 @@ class TrainingState:
 def _off_by(now: Tensor, before: Tensor, other: Tensor) -> Tensor:
     """How far ``other`` is from ``now``, relative to the step from ``before`` to ``now`` (no host sync).
 
-    The step's own size is the scale, so a small error cannot hide behind the size of the tensor itself. A sharded
-    tensor (FSDP2's DTensor) is weighed on this rank's shard; the ranks agree on the verdict.
+    The step's own size is the scale, so a frozen hyperparameter or a wrong batch cannot hide behind the size of the
+    weights. A sharded tensor (FSDP2's DTensor) is weighed on this rank's shard; the ranks agree on the verdict.
     """
     now, before, other = _shard(now), _shard(before), _shard(other)
     scale = (now - before).norm().clamp_min(1e-7 * before.norm() + 1e-12)
@@ -216,6 +211,5 @@ def _set_numpy_state(state: Any) -> None:
 
 
 def _shard(tensor: Tensor) -> Tensor:
-    """This rank's part of a sharded tensor (a DTensor's local tensor); any other tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
