@@ -129,8 +129,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_rollout/rollout.py",
-        "            self.driver.save_checkpoint(trainer.optimizers, checkpoint)",
-        "            pass",
+        "        self.driver.save_checkpoint(trainer.optimizers, checkpoint)",
+        "        pass",
         "the rollout never asks the driver to clean checkpoints: device-tensor lr in every checkpoint",
         S + "test_checkpoints_of_the_whole_step_hold_float_learning_rates_and_the_users_flags",
     ),
@@ -535,8 +535,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_rollout/climb.py",
-        "timing and fit.machine.stage == Stage.REPLAYING and not fit.driver.in_reference_step",
-        "timing and not fit.driver.in_reference_step",
+        "timing and fit.machine.stage == Stage.REPLAYING and not self.driver.in_reference_step",
+        "timing and not self.driver.in_reference_step",
         "scope='auto' times confirming steps (with their eager parity forwards): levels look slower",
         "tests/test_ladder.py::test_confirming_steps_do_not_count_towards_a_levels_time",
         "tests/test_ladder.py",

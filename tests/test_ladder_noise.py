@@ -41,8 +41,7 @@ class NoisyClock:
     def _warming_up(self) -> bool:
         """An eager step that records the targets' calls (warmup), not one of the reference steps."""
         assert self.callback is not None
-        driver = self.callback.rollout.climb.driver if self.callback.rollout.climb is not None else None
-        return self.callback.report.stage == Stage.WARMUP and not (driver is not None and driver.in_reference_step)
+        return self.callback.report.stage == Stage.WARMUP and not self.callback.rollout.driver.in_reference_step
 
 
 def auto_fit(clock: NoisyClock):

@@ -12,7 +12,6 @@ level_failure` sends it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,6 +23,7 @@ from lightning_cudagraph._backend.timing import median
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
 from lightning_cudagraph._options.levels import Level, Plan
 from lightning_cudagraph._rollout.eager_reference import EagerReference
+from lightning_cudagraph._rollout.factory import IDLE, DriverFactory
 from lightning_cudagraph._rollout.ladder import CHECK_STEPS, EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder
 from lightning_cudagraph._rollout.level_failure import after_failure
 from lightning_cudagraph._rollout.preflight import eager_steps_before_whole_step
@@ -31,10 +31,7 @@ from lightning_cudagraph._rollout.step_times import FitSteps, LevelRun
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 
-__all__ = ["Climb", "MakeDriver", "RunningFit"]
-
-#: Builds a level's driver: the level, its settings, and what runs right before its first capture.
-MakeDriver = Callable[[Level, LevelSettings, Callable[[], None]], Driver]
+__all__ = ["Climb", "RunningFit"]
 
 
 @dataclass
@@ -45,8 +42,7 @@ class RunningFit:
         trainer: The Trainer of the fit.
         backend: Gives the timers and a new pool for each level.
         machine: The stage machine; a level's failure is offered to the runner before it becomes a rollback.
-        make_driver: Builds the driver of a level (:class:`~lightning_cudagraph._rollout.factory.DriverFactory`).
-        driver: The driver of the level training is on.
+        make_driver: Builds the driver of a level; released with the runner.
         steps: Every training step's time.
         level: The level's steps on graphs.
     """
@@ -54,14 +50,13 @@ class RunningFit:
     trainer: pl.Trainer
     backend: CaptureBackend
     machine: StageMachine
-    make_driver: MakeDriver
-    driver: Driver
+    make_driver: DriverFactory
     steps: FitSteps
     level: LevelRun
 
 
 class Climb:
-    """Runs the ladder of one fit: its drivers, its step times, and the moves between levels.
+    """Runs the ladder of one fit: its drivers, its step times, and the moves between levels (idle until attached).
 
     Args:
         plan: From :func:`~lightning_cudagraph._rollout.planning.plan`.
@@ -73,8 +68,8 @@ class Climb:
         >>> from lightning_cudagraph.health import CUDAGraphReport
         >>> plan = Plan((Level("full_iteration"),), climbs=False)
         >>> climb = Climb(plan, CUDAGraphReport(), "doc", LevelSettings(3, 3, keep_samples=False, measure_pool=True))
-        >>> climb.ladder.settled, climb.ladder.current.name, climb.driver  # a driver comes with attach
-        (True, 'full_iteration', None)
+        >>> climb.ladder.settled, climb.ladder.current.name, climb.attached  # a driver comes with attach
+        (True, 'full_iteration', False)
     """
 
     def __init__(self, plan: Plan, report: CUDAGraphReport, component: str, settings: LevelSettings) -> None:
@@ -83,14 +78,16 @@ class Climb:
         self.ladder = Ladder(plan.levels, report, climbs=plan.climbs)
         self.report, self.component, self.settings = report, component, settings
         self._running: RunningFit | None = None
+        #: The driver of the level training is on: an idle one (every hook does nothing) until :meth:`attach`.
+        self.driver: Driver = IDLE
         self._pending: Level | None = None  # where a failure sent the ladder (its driver is released)
         #: The eager reference steps of a walked ladder (before the first capture, and in the steady-state check).
         self.reference = EagerReference()
 
     @property
-    def driver(self) -> Driver | None:
-        """The driver of the level training is on (``None`` until :meth:`attach`)."""
-        return self._running.driver if self._running is not None else None
+    def attached(self) -> bool:
+        """Whether the runner drives the fit (from :meth:`attach` on)."""
+        return self._running is not None
 
     @property
     def _fit(self) -> RunningFit:  # the moves and decisions come after attach
@@ -98,22 +95,25 @@ class Climb:
             raise RuntimeError("the level runner moves between levels only once attached")
         return self._running
 
-    def attach(self, trainer: pl.Trainer, backend: CaptureBackend, machine: StageMachine, make: MakeDriver) -> None:
+    def attach(self, trainer: pl.Trainer, backend: CaptureBackend, machine: StageMachine, make: DriverFactory) -> None:
         """Start on the first level: its driver runs the warmup steps (recording every scoped level's targets)."""
         level = self.ladder.current
         if level is None:
             raise RuntimeError("a ladder with no level to try has nothing to attach (the rollout turns graphs off)")
-        driver = make(level, _level_settings(self.ladder, self.settings), self._note_eager_baseline)
         steps, level_run = FitSteps(backend.timer(), self.report), LevelRun(backend.timer(), 0.0)
-        self._running = RunningFit(trainer, backend, machine, make, driver, steps, level_run)
-        self.reference.driver_built(driver)
+        # Held before the first driver is built: release frees the factory even when building that driver raised.
+        self._running = RunningFit(trainer, backend, machine, make, steps, level_run)
+        self.driver = make(level, _level_settings(self.ladder, self.settings), self._note_eager_baseline)
+        self.reference.driver_built(self.driver)
         if not self.ladder.settled:
             self.reference.before_first_capture(backend.timer())
         machine.on_level_failure = self._level_failed
         self._enter(level)
 
     def train_started(self, trainer: pl.Trainer, confirm_steps: int) -> None:
-        """Training starts (its length is known now): a short fit runs no eager reference steps."""
+        """Training starts on the backend's stream, eagerly; its length is known now (a short one has no references)."""
+        self._fit.backend.enter()
+        self.driver.start(trainer)
         self.reference.fit_length_known(trainer, self.settings.first_eager_steps, confirm_steps)
 
     # ------------------------------------------------------------------ per step (no host sync)
@@ -123,10 +123,10 @@ class Climb:
         if fit is None:
             return
         self.reference.batch_started(fit.machine.stage)
-        fit.driver.begin_batch(trainer, batch)
+        self.driver.begin_batch(trainer, batch)
         fit.steps.start()
         timing = (not self.ladder.settled or self.reference.checking) and self._pending is None
-        fit.level.step_started(timing and fit.machine.stage == Stage.REPLAYING and not fit.driver.in_reference_step)
+        fit.level.step_started(timing and fit.machine.stage == Stage.REPLAYING and not self.driver.in_reference_step)
 
     def batch_ended(self, outputs: Any) -> None:
         """Close the step: the driver's checks, then count it towards its level."""
@@ -134,11 +134,11 @@ class Climb:
         if fit is None:
             return
         fit.steps.stop()
-        fit.driver.end_step(outputs)
+        self.driver.end_step(outputs)
         if fit.machine.stage == Stage.WARMUP:
             fit.machine.warmup_losses.observe(outputs)
-        self.reference.batch_ended(fit.driver)
-        on_graphs = fit.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING) and not fit.driver.in_reference_step
+        self.reference.batch_ended(self.driver)
+        on_graphs = fit.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING) and not self.driver.in_reference_step
         if not self.ladder.settled:
             self.ladder.row.steps += 1
             fit.level.step_ended(on_graphs=on_graphs)
@@ -176,7 +176,7 @@ class Climb:
         """Decide on the steps timed so far (one host sync), or time a close call over a few more steps."""
         fit = self._fit
         run = fit.level
-        same = self.ladder.same_regions(fit.driver.captured_regions()) if not run.times else None
+        same = self.ladder.same_regions(self.driver.captured_regions()) if not run.times else None
         if same is not None:
             self._note_capture_time()
             self._follow(self.ladder.same_as(same))
@@ -223,15 +223,12 @@ class Climb:
 
     def _level_failed(self, reason: str) -> bool:
         """A level failed: at the batch's end, go where :func:`after_failure` sends the ladder (``False``: nowhere)."""
-        fit = self._running
-        if fit is None:
-            return False
         if not self.ladder.settled:
             self._note_capture_time()
         level = after_failure(self.ladder, reason, self.component)
         if level is None:
             return False
-        fit.driver.release()
+        self.driver.release()
         self._pending = level
         return True
 
@@ -239,15 +236,15 @@ class Climb:
     def _switch(self, level: Level) -> None:
         """Move to ``level``: captured in place from the recorded samples, or by a new driver."""
         fit = self._fit
-        driver = fit.driver
+        driver = self.driver
         if level.whole_step or not driver.switch_level(level.target_names):
             driver.release()
             eager_steps = eager_steps_before_whole_step(fit.trainer) if level.whole_step else 1
             settings = replace(self.settings, first_eager_steps=eager_steps)
-            fit.driver = fit.make_driver(level, _level_settings(self.ladder, settings), self._note_eager_baseline)
-            self.reference.driver_built(fit.driver)
-            fit.driver.take_seal_from(driver)
-            fit.driver.start(fit.trainer)
+            self.driver = fit.make_driver(level, _level_settings(self.ladder, settings), self._note_eager_baseline)
+            self.reference.driver_built(self.driver)
+            self.driver.take_seal_from(driver)
+            self.driver.start(fit.trainer)
         else:
             driver.settings = _level_settings(self.ladder, driver.settings)
         fit.backend.renew_pool()
@@ -271,8 +268,8 @@ class Climb:
 
     def _settle(self) -> None:
         fit = self._fit
-        fit.driver.settings = replace(fit.driver.settings, keep_samples=False, measure_pool=True)
-        fit.driver.settle()
+        self.driver.settings = replace(self.driver.settings, keep_samples=False, measure_pool=True)
+        self.driver.settle()
         self.report.pool_mib = fit.backend.pool_mib()
         self.reference.begin_check(fit.backend.timer())
         fit.level = LevelRun(fit.level.window, capture_mark=self.report.capture_ms_total, due=CHECK_STEPS)
@@ -283,10 +280,13 @@ class Climb:
         self.ladder.row.capture_ms += self._fit.level.captures_since(self.report.capture_ms_total)
 
     def release(self) -> None:
-        """The fit ends: nothing pending; the driver releases everything it holds."""
+        """The fit ends: nothing pending; the driver releases everything it holds, then the factory (idempotent)."""
         self._pending = None
-        if self._running is not None:
-            self._running.driver.release()
+        try:
+            self.driver.release()
+        finally:
+            if self._running is not None:
+                self._running.make_driver.release()
 
 
 def _level_settings(ladder: Ladder, settings: LevelSettings) -> LevelSettings:

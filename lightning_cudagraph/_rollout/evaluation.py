@@ -111,7 +111,7 @@ class EvaluationGraphs:
 
     # ------------------------------------------------------------------ a loop's start and end
     def loop_start(
-        self, trainer: pl.Trainer, backend: CaptureBackend | None, level: TrainedLevel | None, strategy: bool
+        self, trainer: pl.Trainer, backend: CaptureBackend | None, level: TrainedLevel, strategy: bool
     ) -> None:
         """Pick how this evaluation loop runs, and get its graphs ready."""
         self.mode = EAGER
@@ -138,7 +138,7 @@ class EvaluationGraphs:
             backend.enter()  # eager warmup and capture on one stream, as in training
         tolerance = self._tolerance(trainer)
         limit = self.config.max_graphs or DEFAULT_MAX_GRAPHS
-        if in_fit and level is not None and not (strategy and level.name == FULL_ITERATION):
+        if in_fit and not (strategy and level.name == FULL_ITERATION):
             if self.regions is None:
                 self.regions = EvalRegionGraphs(backend, self.record, self.policy, self.component, tolerance, limit)
             self.regions.install(level.regions)
@@ -154,7 +154,7 @@ class EvaluationGraphs:
         self,
         hook: str | None,
         backend: CaptureBackend | None,
-        level: TrainedLevel | None,
+        level: TrainedLevel,
         strategy: bool,
         in_fit: bool,
     ) -> str | None:
@@ -179,9 +179,8 @@ class EvaluationGraphs:
                 "outside a fit, the callback alone has no trained level to graph. Fix: evaluate through"
                 " strategy='cudagraph_full' (the whole evaluation step), or inside the fit"
             )
-        if level is None or not level.allowed:
-            detail = level.off_reason if level is not None else None
-            return f"the training graphs are off{f' ({detail})' if detail else ''}"
+        if not level.allowed:
+            return f"the training graphs are off{f' ({level.off_reason})' if level.off_reason else ''}"
         if strategy and level.name == FULL_ITERATION:
             return None
         if not level.settled:

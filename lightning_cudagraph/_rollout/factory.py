@@ -4,14 +4,16 @@ The level runner gets the factory when it is built and never asks which driver i
 ``compile=`` for the fit: the watch on dynamo's compilations, and the compiled stand-ins it hands each driver
 (:class:`~lightning_cudagraph._backend.compiling.CompiledForwards` to a scoped driver, shared by every scoped level;
 :class:`~lightning_cudagraph._backend.compiling.CompiledModules` to the whole-step driver, which gives its modules
-back when it is released). Drivers never import this module.
+back when it is released). Drivers never import this module. Before the factory, a fit's driver is :data:`IDLE`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._backend.compiling import CompiledForwards, CompiledModules, CompileWatch
@@ -22,9 +24,10 @@ from lightning_cudagraph._graphs.whole_step import WholeStepDriver
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._options.levels import Level, Plan
 from lightning_cudagraph._trust.observation import Observer
+from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.stages import StageMachine
 
-__all__ = ["DriverFactory"]
+__all__ = ["IDLE", "DriverFactory", "IdleDriver"]
 
 
 class DriverFactory:
@@ -97,3 +100,33 @@ class DriverFactory:
             self._forwards.clear()
         if self.compile_watch is not None:
             self.compile_watch.remove()
+
+
+class IdleDriver(Driver):
+    """The driver of a fit that has none (before ``on_fit_start`` built one, or graphs were off before it).
+
+    Every hook does nothing and a step runs eagerly, as without the package. It holds no state, so one serves all fits.
+    """
+
+    captured_any = in_reference_step = False
+
+    def __init__(self) -> None:  # the base's collaborators (backend, stage machine) do not exist here
+        pass
+
+    @override
+    def start(self, trainer: pl.Trainer) -> None: ...
+    @override
+    def end_step(self, outputs: Any) -> None: ...
+    @override
+    def seal(self, self_check: bool) -> None: ...
+    @override
+    def release(self) -> None: ...
+
+    @property
+    @override
+    def shape_cache(self) -> ShapeCache[Any]:
+        raise RuntimeError("an idle driver captures nothing: it has no batch shapes")
+
+
+#: The driver of every fit until its factory builds one.
+IDLE = IdleDriver()

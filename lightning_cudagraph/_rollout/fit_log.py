@@ -39,16 +39,15 @@ class FitLog:
         if step == self._last_logged or (step % max(_log_every(trainer), 1) and not trainer.should_stop):
             return
         self._last_logged = step
-        if climb.driver is not None:
-            climb.driver.health_check(step)
+        climb.driver.health_check(step)
         metrics = self._interval_metrics(climb)
         if self._logs_metrics(trainer, climb):
             # One log_dict, from on_train_batch_end: the rows Lightning writes for the user's metrics at this step.
             log_through_lightning(module, metrics)
-        if climb.driver is not None:
+        if climb.attached:
             self._bar.show_on(trainer.progress_bar_callback)
 
-    def flush(self, trainer: pl.Trainer, climb: Climb | None) -> None:
+    def flush(self, trainer: pl.Trainer, climb: Climb) -> None:
         """At ``on_train_end``: take the stage off the bar; log a last interval that Lightning's cadence did not write.
 
         Lightning refuses ``self.log`` in ``on_train_end``, so those metrics go to the loggers directly (rank zero),
@@ -56,7 +55,7 @@ class FitLog:
         """
         self._bar.remove()
         step = trainer.global_step
-        if step == self._last_logged or climb is None:
+        if step == self._last_logged:
             return
         self._last_logged = step
         metrics = self._interval_metrics(climb)
@@ -76,7 +75,7 @@ class FitLog:
         made): every figure would be a zero that means nothing, so a fit without graphs logs what it would log
         without the package (``callback.report`` and the warning say why). Not with ``log_every_n_steps=0`` either.
         """
-        return climb.driver is not None and _log_every(trainer) > 0
+        return climb.attached and _log_every(trainer) > 0
 
     def bar_items(self) -> dict[str, str]:
         """``graphs=replaying``: the stage by name, the level under ``scope="auto"``, the speedup once measured."""

@@ -114,9 +114,7 @@ def _unwrap(bar: Any) -> None:
         bar.get_metrics = wrapper.replaced
 
 
-def why_not_engaged(
-    report: CUDAGraphReport, stage: Stage, steps: int, driver: Driver | None, config: CUDAGraphConfig
-) -> str:
+def why_not_engaged(report: CUDAGraphReport, stage: Stage, steps: int, driver: Driver, config: CUDAGraphConfig) -> str:
     """Why a fit that ends after ``steps`` optimizer steps, in ``stage``, never replayed graphs in steady state."""
     level = f" at level {report.level!r}" if report.level else ""
     if stage == Stage.CONFIRMING:
@@ -124,13 +122,13 @@ def why_not_engaged(
             f"the fit ended during replay confirmation{level} after {steps} optimizer step(s); the graphs were"
             f" never trusted (confirm_steps={config.confirm_steps}: raise max_steps)"
         )
-    eager = driver.settings.first_eager_steps if driver is not None else config.warmup_steps
+    eager = driver.settings.first_eager_steps
     if steps <= eager:
         return (
             f"the fit ended after {steps} optimizer step(s), within the {eager} eager warmup step(s) before"
             f" capture{level} (raise max_steps or lower warmup_steps)"
         )
-    unkeyed = driver.why_not_captured() if driver is not None else None
+    unkeyed = driver.why_not_captured()
     if unkeyed is not None:
         return unkeyed
     if report.captures:

@@ -23,6 +23,7 @@ from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._backend.cuda import default_backend
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
+from lightning_cudagraph._options.levels import Plan
 from lightning_cudagraph._rollout import planning, preflight
 from lightning_cudagraph._rollout.climb import Climb
 from lightning_cudagraph._rollout.evaluation import EvaluationGraphs, TrainedLevel
@@ -53,9 +54,8 @@ class Rollout:
         policy = FailurePolicy(component, config.on_failure, auto_scope=config.auto_scope)
         self.machine = StageMachine(self.report, policy, release=self.release)
         self.backend = backend
-        #: The level runner of the fit (``None`` until setup planned its levels, or when graphs are off before).
-        self.climb: Climb | None = None
-        self._factory: DriverFactory | None = None
+        #: The level runner: idle (no level, an idle driver) until setup plans the levels and fit start attaches it.
+        self.climb = Climb(Plan((), climbs=False), self.report, component, LevelSettings.of(config))
         #: The package's metrics of the fit, once per log interval.
         self.log = FitLog(self.report)
         #: Validation, test and predict on forward-only graphs (:mod:`lightning_cudagraph._rollout.evaluation`).
@@ -74,14 +74,14 @@ class Rollout:
         return self.machine.stage
 
     @property
-    def driver(self) -> Driver | None:
-        """The driver of the level training is on (``None`` until one is built)."""
-        return self.climb.driver if self.climb is not None else None
+    def driver(self) -> Driver:
+        """The driver of the level training is on (an idle one, whose hooks do nothing, until fit start built one)."""
+        return self.climb.driver
 
     @property
     def active(self) -> bool:
         """Whether graphs may still be captured or replayed in this fit."""
-        return self.machine.graphs_allowed and self.driver is not None
+        return self.machine.graphs_allowed and self.climb.attached
 
     # ------------------------------------------------------------------ stage 1: preflight
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -104,7 +104,7 @@ class Rollout:
 
     def fit_start(self, trainer: pl.Trainer) -> None:
         """Check the optimizers, then start the level runner, or turn graphs off with no device to capture on."""
-        if not self.machine.graphs_allowed or self.climb is None:
+        if not self.machine.graphs_allowed or self.climb.ladder.current is None:  # off, or no level planned
             return
         with self._refusals_disable():
             problem = preflight.whole_step_optimizer_problem(self.config, trainer, self.component)
@@ -131,19 +131,14 @@ class Rollout:
         self.machine.agreement = RankAgreement(trainer.strategy.root_device)
         # DDP rebuilds its gradient buckets on the second step, with one process too: a set-up step as well.
         self.step_python.setup_steps = 2 if isinstance(trainer.strategy, DDPStrategy) else 1
-        self._factory = DriverFactory(
+        factory = DriverFactory(
             self.config, self.component, self.backend, self.machine, trainer, self.climb.plan, self.step_python.observer
         )
-        self.climb.attach(trainer, self.backend, self.machine, self._factory)
+        self.climb.attach(trainer, self.backend, self.machine, factory)
 
     def train_start(self, trainer: pl.Trainer) -> None:
         """Move training onto the backend's stream and start eager stabilization."""
-        driver = self.driver
-        if driver is None or self.backend is None or not self.machine.graphs_allowed:
-            return
-        self.backend.enter()
-        driver.start(trainer)
-        if self.climb is not None:
+        if self.active:
             self.climb.train_started(trainer, self.config.confirm_steps)
 
     # ------------------------------------------------------------------ training batches
@@ -151,21 +146,17 @@ class Rollout:
         """Seal the shapes when due, then hand the batch to the level runner (its driver, its timer)."""
         if self.active:
             self._seal_when_due(trainer.global_step)
-        if self.climb is not None:
-            self.climb.batch_started(trainer, batch)
+        self.climb.batch_started(trainer, batch)
 
     def batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any) -> None:
         """Close the step: confirmation checks, stage changes, metrics; then the ladder's move, if one is due."""
-        if self.climb is None:
-            return
         self.climb.batch_ended(outputs)
         self.log.step_ended(trainer, module, self.climb)
         self.climb.move_if_due()
 
     def abandon_step(self) -> None:
         """Close a training batch that never reached ``on_train_batch_end`` (``on_train_batch_start`` returned -1)."""
-        if self.driver is not None:
-            self.driver.abandon_step()
+        self.driver.abandon_step()
 
     # ------------------------------------------------------------------ whole steps (called by the strategy)
     def plan_whole_step(self, trainer: pl.Trainer, batch: Any) -> Any:
@@ -174,8 +165,6 @@ class Rollout:
         The step's Python is watched around it (:mod:`lightning_cudagraph._rollout.step_python`).
         """
         driver = self.driver
-        if driver is None or self.climb is None:
-            return batch
         watched = self.active and trainer.training and not trainer.sanity_checking
         if watched:
             self._seal_when_due(trainer.global_step)
@@ -188,8 +177,6 @@ class Rollout:
     def run_whole_step(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """Carry out the planned step (eagerly, by ``run_step``, below the whole step), observed when planned so."""
         driver = self.driver
-        if driver is None or self.climb is None:
-            return run_step()
         step = lambda: driver.run(trainer, closure, optimizer, run_step)  # noqa: E731
         return self.step_python.run(trainer, driver, self.machine, self.climb.ladder, step)
 
@@ -200,7 +187,7 @@ class Rollout:
     def on_training_step_output(self, output: Any) -> None:
         """``training_step`` returned (while capturing, this is the captured output)."""
         self.step_python.step_output(output)
-        if self.driver is not None and self.driver.capturing:
+        if self.driver.capturing:
             self.driver.on_training_step_output(output)
 
     def before_optimizer_step(self) -> None:
@@ -218,18 +205,15 @@ class Rollout:
         strategy = bool(getattr(trainer.strategy, "supports_full_iteration", False))
         self.evaluation.loop_start(trainer, self.backend, self._trained_level(), strategy)
 
-    def _trained_level(self) -> TrainedLevel | None:
-        """What the fit's training graphs are now (``None`` before a fit planned its levels)."""
-        if self.climb is None:
-            return None
-        current, driver = self.climb.ladder.current, self.driver
-        regions = driver.captured_modules() if driver is not None and self.machine.graphs_allowed else []
+    def _trained_level(self) -> TrainedLevel:
+        """What the fit's training graphs are now."""
+        current = self.climb.ladder.current
         return TrainedLevel(
             name=current.name if current is not None else None,
             settled=self.climb.ladder.settled,
-            allowed=self.machine.graphs_allowed and driver is not None,
+            allowed=self.active,
             off_reason=self.report.reason,
-            regions=regions,
+            regions=self.driver.captured_modules() if self.active else [],
         )
 
     def plan_evaluation_step(self, trainer: pl.Trainer, batch: Any) -> Any:
@@ -247,10 +231,9 @@ class Rollout:
     # ------------------------------------------------------------------ shapes
     def seal(self, self_check: bool = True) -> None:
         """Close the set of batch shapes: a shape without graphs raises from now on (``seal_after_steps``)."""
-        driver = self.driver
-        if driver is not None and self.machine.graphs_allowed and not self._sealed:
+        if self.active and not self._sealed:
             self._sealed = True
-            driver.seal(self_check)
+            self.driver.seal(self_check)
             check = "; each captured shape is checked against eager once more" if self_check else ""
             rank_zero_info(f"{self.component}: the set of batch shapes is sealed: another shape raises{check}")
 
@@ -274,20 +257,14 @@ class Rollout:
             try:
                 self.evaluation.release()  # first: its forwards wrap the training driver's
             finally:
-                if self.climb is not None:
-                    self.climb.release()
+                self.climb.release()  # its driver, then its factory
         finally:  # whatever a reset raised, training goes back to the stream it came from
-            try:
-                if self._factory is not None:
-                    self._factory.release()
-            finally:
-                if self.backend is not None:
-                    self.backend.release()
+            if self.backend is not None:
+                self.backend.release()
 
     def save_checkpoint(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
         """Keep checkpoints free of the package: optimizers are saved in the form the user built them."""
-        if self.driver is not None:
-            self.driver.save_checkpoint(trainer.optimizers, checkpoint)
+        self.driver.save_checkpoint(trainer.optimizers, checkpoint)
 
     @contextlib.contextmanager
     def _refusals_disable(self) -> Iterator[None]:
