@@ -21,7 +21,10 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 
 from lightning_cudagraph import CUDAGraphCallback, Stage
+from lightning_cudagraph._graphs.scoped import ScopedDriver
+from lightning_cudagraph._rollout.fit_log import READ_EVERY_WITHOUT_LOGGING
 from lightning_cudagraph._rollout.reporting import ProgressBarItems
+from lightning_cudagraph._rollout.step_times import FitSteps
 from tests.fake_backend import FakeBackend
 from tests.helpers import OLD_LIGHTNING, cpu_trainer
 from tests.models import TINY, TINY_DATA, decoder
@@ -243,6 +246,20 @@ def test_log_every_n_steps_zero_logs_no_graph_metric(tmp_path):
     assert not graph_keys(trainer.logged_metrics)
     written = read_csv(logger) if (Path(logger.log_dir) / "metrics.csv").exists() else {}
     assert not graph_keys(written)
+
+
+def test_with_logging_off_the_device_is_read_once_per_interval_not_every_step(tmp_path, monkeypatch):
+    # log_every_n_steps=0 turns logging off. The health check and the step times still read the device (a host sync
+    # each), on the interval Lightning logs at by default: never on every replayed step.
+    checks, reads = [], []
+    health_check, read_interval = ScopedDriver.health_check, FitSteps.read_interval
+    monkeypatch.setattr(ScopedDriver, "health_check", lambda self, step: (checks.append(step), health_check(self, step)))
+    monkeypatch.setattr(FitSteps, "read_interval", lambda self, eager: (reads.append(eager), read_interval(self, eager)))
+    steps = 2 * READ_EVERY_WITHOUT_LOGGING + 3
+    trainer, callback = fit_with(tmp_path, False, log_every_n_steps=0, max_steps=steps)
+    assert callback.report.stage == Stage.REPLAYING and callback.report.replays > steps
+    assert checks == [READ_EVERY_WITHOUT_LOGGING, 2 * READ_EVERY_WITHOUT_LOGGING]
+    assert len(reads) == len(checks) + 1  # and the last, partial interval at the fit's end
 
 
 # =================================================================== graphs off from the start: nothing of the package

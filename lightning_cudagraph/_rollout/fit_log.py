@@ -1,7 +1,9 @@
-"""The package's metrics of one fit: once per log interval through Lightning, and a last interval at the end.
+"""The fit's log interval: the package's metrics through Lightning, and a last interval at the end.
 
-Lightning's own cadence paces it (``log_every_n_steps``); the step times of an interval are read with one host sync
-(none per step).
+Once per interval the rollout runs the graphs' health check, then the metrics are written; each reads the device
+with one host sync, never one per step. The interval is ``log_every_n_steps`` optimizer steps, plus the step the
+Trainer stops at. With logging off (``log_every_n_steps=0``) nothing is logged, and the reads keep Lightning's default
+interval.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import lightning.pytorch as pl
 from lightning_cudagraph._rollout.climb import Climb
 from lightning_cudagraph._rollout.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
 from lightning_cudagraph.health import CUDAGraphReport
+
+
+#: Steps between health checks and step-time reads when logging is off (Lightning's default ``log_every_n_steps``).
+READ_EVERY_WITHOUT_LOGGING = 50
 
 
 class FitLog:
@@ -33,13 +39,16 @@ class FitLog:
         self._last_logged = -1
         self._bar = ProgressBarItems(self.bar_items)
 
-    def step_ended(self, trainer: pl.Trainer, module: pl.LightningModule, climb: Climb) -> None:
-        """Once per ``log_every_n_steps`` (and when the Trainer stops): health checks, step times, metrics, the bar."""
-        step = trainer.global_step
-        if step == self._last_logged or (step % max(_log_every(trainer), 1) and not trainer.should_stop):
-            return
+    def interval_ended(self, trainer: pl.Trainer) -> bool:
+        """Whether this batch ends an interval (at most once per optimizer step)."""
+        step, every = trainer.global_step, _log_every(trainer) or READ_EVERY_WITHOUT_LOGGING
+        if step == self._last_logged or (step % every and not trainer.should_stop):
+            return False
         self._last_logged = step
-        climb.driver.health_check(step)
+        return True
+
+    def write(self, trainer: pl.Trainer, module: pl.LightningModule, climb: Climb) -> None:
+        """At the end of an interval: read its step times, log the metrics, show the stage on the bar."""
         metrics = self._interval_metrics(climb)
         if self._logs_metrics(trainer, climb):
             # One log_dict, from on_train_batch_end: the rows Lightning writes for the user's metrics at this step.

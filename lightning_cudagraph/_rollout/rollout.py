@@ -149,9 +149,14 @@ class Rollout:
         self.climb.batch_started(trainer, batch)
 
     def batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any) -> None:
-        """Close the step: confirmation checks, stage changes, metrics; then the ladder's move, if one is due."""
+        """Close the step: confirmation checks, stage changes; once per interval the health check and the metrics.
+
+        Then the ladder's move, if one is due.
+        """
         self.climb.batch_ended(outputs)
-        self.log.step_ended(trainer, module, self.climb)
+        if self.log.interval_ended(trainer):
+            self.driver.health_check(trainer.global_step)  # it may roll back: before the metrics say where the fit is
+            self.log.write(trainer, module, self.climb)
         self.climb.move_if_due()
 
     def abandon_step(self) -> None:
