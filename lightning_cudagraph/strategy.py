@@ -269,5 +269,5 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
             return
         warn_on_grad_stream_mismatch(False)  # DDP keeps eager steps' autograd nodes alive: expected, not a bug
         # Built on the stream training and capture run on, so DDP's retained autograd nodes never name another one.
-        with torch.cuda.stream(backend.stream):
+        with backend.on_stream():
             super().configure_ddp()

@@ -253,8 +253,12 @@ def test_with_logging_off_the_device_is_read_once_per_interval_not_every_step(tm
     # each), on the interval Lightning logs at by default: never on every replayed step.
     checks, reads = [], []
     health_check, read_interval = ScopedDriver.health_check, FitSteps.read_interval
-    monkeypatch.setattr(ScopedDriver, "health_check", lambda self, step: (checks.append(step), health_check(self, step)))
-    monkeypatch.setattr(FitSteps, "read_interval", lambda self, eager: (reads.append(eager), read_interval(self, eager)))
+    monkeypatch.setattr(
+        ScopedDriver, "health_check", lambda self, step: (checks.append(step), health_check(self, step))
+    )
+    monkeypatch.setattr(
+        FitSteps, "read_interval", lambda self, eager: (reads.append(eager), read_interval(self, eager))
+    )
     steps = 2 * READ_EVERY_WITHOUT_LOGGING + 3
     trainer, callback = fit_with(tmp_path, False, log_every_n_steps=0, max_steps=steps)
     assert callback.report.stage == Stage.REPLAYING and callback.report.replays > steps

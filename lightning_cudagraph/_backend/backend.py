@@ -152,6 +152,10 @@ class CaptureBackend(ABC):
     def release(self) -> None:
         """Wait for queued work, free the pool, give cached memory back (idempotent)."""
 
+    def on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """A block run on :attr:`stream`, so that what it builds names that stream (nothing where there is none)."""
+        return contextlib.nullcontext()
+
     def marker(self) -> Any:
         """A marker behind the work launched so far, whose ``query()`` says whether the device finished it.
 

@@ -87,6 +87,10 @@ class CUDABackend(CaptureBackend):
             self.stream.wait_stream(self._previous_stream)
             torch.cuda.set_stream(self.stream)
 
+    def on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """A block run on the side stream."""
+        return torch.cuda.stream(self.stream)
+
     def leave(self) -> None:
         """Return to the stream that was current before :meth:`enter`, after the side stream's work."""
         if self._previous_stream is not None:

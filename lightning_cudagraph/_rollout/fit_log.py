@@ -17,7 +17,6 @@ from lightning_cudagraph._rollout.climb import Climb
 from lightning_cudagraph._rollout.reporting import ProgressBarItems, log_through_lightning, log_to_loggers
 from lightning_cudagraph.health import CUDAGraphReport
 
-
 #: Steps between health checks and step-time reads when logging is off (Lightning's default ``log_every_n_steps``).
 READ_EVERY_WITHOUT_LOGGING = 50
 
