@@ -252,15 +252,11 @@ def test_with_logging_off_the_device_is_read_once_per_interval_not_every_step(tm
     # log_every_n_steps=0 turns logging off. The health check and the step times still read the device (a host sync
     # each), on the interval Lightning logs at by default: never on every replayed step.
     checks, reads = [], []
-    health_check, read_interval = ScopedDriver.health_check, FitSteps.read_interval
-    monkeypatch.setattr(
-        ScopedDriver, "health_check", lambda self, step: (checks.append(step), health_check(self, step))
-    )
-    monkeypatch.setattr(
-        FitSteps, "read_interval", lambda self, eager: (reads.append(eager), read_interval(self, eager))
-    )
+    check, read = ScopedDriver.health_check, FitSteps.read_interval
+    monkeypatch.setattr(ScopedDriver, "health_check", lambda self, step: (checks.append(step), check(self, step)))
+    monkeypatch.setattr(FitSteps, "read_interval", lambda self, eager: (reads.append(eager), read(self, eager)))
     steps = 2 * READ_EVERY_WITHOUT_LOGGING + 3
-    trainer, callback = fit_with(tmp_path, False, log_every_n_steps=0, max_steps=steps)
+    _, callback = fit_with(tmp_path, False, log_every_n_steps=0, max_steps=steps)
     assert callback.report.stage == Stage.REPLAYING and callback.report.replays > steps
     assert checks == [READ_EVERY_WITHOUT_LOGGING, 2 * READ_EVERY_WITHOUT_LOGGING]
     assert len(reads) == len(checks) + 1  # and the last, partial interval at the fit's end
