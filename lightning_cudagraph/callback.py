@@ -134,12 +134,11 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         compile: bool | Mapping[str, Any] = False,
         # end of options
     ) -> None:
+        #: The options; their ``component`` (named in messages) is this class, or the strategy that added the callback.
         self.config = config = config_from(type(self).__name__, locals())
-        #: Named in messages and errors: this class, or the strategy that added the callback.
-        self.component = type(self).__name__
         if config.enabled:
-            ensure_graph_safe_allocator(self.component)
-        self.rollout = Rollout(config, self.component)
+            ensure_graph_safe_allocator(config.component)
+        self.rollout = Rollout(config)
         self._state_key: str | None = None
 
     def seal(self, self_check: bool = True) -> None:
@@ -172,7 +171,7 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             # Each fit starts fresh (resume restores the counters).
-            self.rollout = Rollout(self.config, self.component, self.capture_backend)
+            self.rollout = Rollout(self.config, self.capture_backend)
             _refuse_a_second_callback(trainer, self)
             self.rollout.setup(trainer, pl_module)
 

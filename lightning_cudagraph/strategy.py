@@ -254,7 +254,7 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         config = config_from(type(self).__name__, locals())
         super().__init__(**kwargs)
         self._init_graph_options(config, replay_timeout_s)
-        check_ddp_warmup(config, type(self).__name__)
+        check_ddp_warmup(config)
 
     @override
     def teardown(self) -> None:

@@ -190,7 +190,7 @@ def attach_callback(trainer: pl.Trainer, strategy: CUDAGraphStrategyBase) -> CUD
         return existing[0]
     callback = CUDAGraphCallback(**config.options())
     callbacks = trainer_callbacks(trainer)
-    callback.capture_backend, callback.component = backend, type(strategy).__name__
+    callback.capture_backend, callback.config = backend, config  # the same options, named after the strategy
     # Lightning keeps checkpoint callbacks last, so they save every other callback's state of the step.
     first_checkpoint = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), None)
     callbacks.insert(len(callbacks) if first_checkpoint is None else first_checkpoint, callback)

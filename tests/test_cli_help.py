@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -19,12 +18,12 @@ pytest.importorskip("jsonargparse", reason="LightningCLI's parser (the `examples
 from jsonargparse import ArgumentParser
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy
-from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._options.options import OPTION_DOCS
+from lightning_cudagraph._options.options import OPTIONS as DECLARED
 from tests.test_strategies import build_cli
 
 CLASSES = [CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy]
-OPTIONS = [f.name for f in fields(CUDAGraphConfig)]
+OPTIONS = [option.name for option in DECLARED]
 ROOT = Path(__file__).parents[1]
 
 

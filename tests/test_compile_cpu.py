@@ -376,7 +376,7 @@ def test_a_submodule_compiled_in_place_with_reduce_overhead_is_refused():
     model.model.blocks[0].compile(mode="reduce-overhead")
     config = CUDAGraphConfig.from_options("CUDAGraphCallback", scope=["layer"])
     with pytest.raises(ValueError, match="graphs in graphs"):
-        check_trainer(config, pl.Trainer(logger=False, **CPU), model, "CUDAGraphCallback")
+        check_trainer(config, pl.Trainer(logger=False, **CPU), model)
 
 
 @pytest.mark.skipif(
@@ -401,12 +401,12 @@ def test_compile_with_the_callback_under_lightnings_ddp_is_refused():
     model = DecoderModule(**TINY)
     compiled = CUDAGraphConfig.from_options("CUDAGraphCallback", scope=["layer"], compile=True)
     with pytest.raises(ValueError, match="CUDAGraphCallback") as error:
-        _check_compile(compiled, SimpleNamespace(strategy=DDPStrategy()), model, "CUDAGraphCallback")
+        _check_compile(compiled, SimpleNamespace(strategy=DDPStrategy()), model)
     assert_refused(error, "CUDAGraphCallback", "compile=", "on one device")
     plain = CUDAGraphConfig.from_options("CUDAGraphCallback", scope=["layer"])
-    _check_compile(plain, SimpleNamespace(strategy=DDPStrategy()), model, "CUDAGraphCallback")  # graphs alone: fine
+    _check_compile(plain, SimpleNamespace(strategy=DDPStrategy()), model)  # graphs alone: fine
     single = SimpleNamespace(strategy=SingleDeviceStrategy(torch.device("cpu")))
-    _check_compile(compiled, single, model, "CUDAGraphCallback")  # compile= on one device: fine
+    _check_compile(compiled, single, model)  # compile= on one device: fine
 
 
 # =================================================================== 3. lifecycle on the fake backend

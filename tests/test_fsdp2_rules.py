@@ -231,7 +231,7 @@ def test_fsdp1_and_deepspeed_are_refused_with_fsdp2_named_as_the_route_for_shard
     swapped.__dict__.update(state)
     run._accelerator_connector.strategy = swapped
     with pytest.raises(ValueError) as error:
-        check_trainer(CUDAGraphConfig(), run, DecoderModule(**TINY), "CUDAGraphCallback")
+        check_trainer(CUDAGraphConfig(), run, DecoderModule(**TINY))
     assert_refused(
         str(error.value),
         "CUDAGraphCallback",

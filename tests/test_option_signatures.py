@@ -28,7 +28,8 @@ SCRIPT = ROOT / "scripts" / "option_signatures.py"
 
 
 def test_the_declared_defaults_are_the_configs_defaults():
-    assert [option.name for option in OPTIONS] == [f.name for f in fields(CUDAGraphConfig)]
+    # The config holds each option, and the component it names in messages (not an option).
+    assert [option.name for option in OPTIONS] + ["component"] == [f.name for f in fields(CUDAGraphConfig)]
     defaults = {option.name: option.default for option in OPTIONS}
     assert CUDAGraphConfig.from_options("CUDAGraphCallback", **defaults) == CUDAGraphConfig()
     assert CUDAGraphConfig().options() == defaults

@@ -99,7 +99,7 @@ def test_strategies_that_move_parameters_between_steps_are_refused(strategy):
     run.strategy._lightning_module = None
     run._accelerator_connector.strategy = object.__new__(strategy)  # the type is what is checked, not a live one
     with pytest.raises(ValueError, match="CUDAGraphCallback") as error:
-        check_trainer(CUDAGraphConfig(), run, DecoderModule(**TINY), "CUDAGraphCallback")
+        check_trainer(CUDAGraphConfig(), run, DecoderModule(**TINY))
     assert_refused(error, "CUDAGraphCallback", type(run.strategy).__name__, "use DDP")
 
 

@@ -64,12 +64,11 @@ class Driver(ABC):
     def __init__(
         self,
         config: CUDAGraphConfig,
-        component: str,
         backend: CaptureBackend,
         machine: StageMachine,
         settings: LevelSettings,
     ) -> None:
-        self.config, self.component, self.backend, self.machine = config, component, backend, machine
+        self.config, self.component, self.backend, self.machine = config, config.component, backend, machine
         self.report: CUDAGraphReport = machine.report
         #: The level's settings; the level runner assigns a new value (``driver.settings = replace(...)``).
         self.settings = settings

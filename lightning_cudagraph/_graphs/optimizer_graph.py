@@ -68,8 +68,8 @@ class OptimizerGraph:
         >>> graph.run(trainer, optimizer, run_step, graphs_live=True)  # doctest: +SKIP
     """
 
-    def __init__(self, config: CUDAGraphConfig, component: str, backend: CaptureBackend, machine: StageMachine) -> None:
-        self.config, self.component, self.backend, self.machine = config, component, backend, machine
+    def __init__(self, config: CUDAGraphConfig, backend: CaptureBackend, machine: StageMachine) -> None:
+        self.config, self.component, self.backend, self.machine = config, config.component, backend, machine
         self.report = machine.report
         self.optimizers = StepOptimizers(backend)
         self._optimizer: torch.optim.Optimizer | None = None

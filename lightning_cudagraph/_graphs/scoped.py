@@ -51,18 +51,17 @@ class ScopedDriver(Driver):
         self,
         regions: RegionSet,
         config: CUDAGraphConfig,
-        component: str,
         backend: CaptureBackend,
         machine: StageMachine,
         settings: LevelSettings,
         compiled: CompiledForwards | None = None,
         observer: Observer | None = None,
     ) -> None:
-        super().__init__(config, component, backend, machine, settings)
+        super().__init__(config, backend, machine, settings)
         self.regions = regions
         self.targets = regions.targets
         self.graph_sets: ShapeCache[GraphSet] = self._shape_cache(GraphSet.reset)
-        self.shapes = ShapeDecision(config.on_shape_change, self.graph_sets, machine, component)
+        self.shapes = ShapeDecision(config.on_shape_change, self.graph_sets, machine, config.component)
         self.narrowing = NarrowingCapture(self.config, self.backend, self.machine, regions)
         self.confirmation = RegionConfirmation(config, machine, regions, self.graph_sets, self.parity_tolerance)
         self.state = StateWatch()
@@ -80,7 +79,7 @@ class ScopedDriver(Driver):
         )
         self._microbatches = 1
         self._released = False
-        self.optimizer_graph = OptimizerGraph(config, component, backend, machine)
+        self.optimizer_graph = OptimizerGraph(config, backend, machine)
 
     def start(self, trainer: pl.Trainer) -> None:
         """Patch the targets' forwards: from now on every call goes through the router."""

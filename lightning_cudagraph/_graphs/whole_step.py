@@ -62,16 +62,15 @@ class WholeStepDriver(Driver):
     def __init__(
         self,
         config: CUDAGraphConfig,
-        component: str,
         backend: CaptureBackend,
         machine: StageMachine,
         settings: LevelSettings,
         compiled: CompiledModules | None = None,
     ) -> None:
-        super().__init__(config, component, backend, machine, settings)
+        super().__init__(config, backend, machine, settings)
         self.compiled = compiled
         self.steps: ShapeCache[StepWindow] = self._shape_cache(StepWindow.reset)
-        shapes = ShapeDecision(config.on_shape_change, self.steps, machine, component)
+        shapes = ShapeDecision(config.on_shape_change, self.steps, machine, config.component)
         self.planner = StepPlanner(machine, shapes, config.confirm_steps)
         self.optimizers = StepOptimizers(backend)
         self.flags = NonFiniteFlags(self.backend.device)

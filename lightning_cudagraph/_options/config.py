@@ -42,6 +42,8 @@ class CUDAGraphConfig:
     eval_graphs: bool = True
     optimizer_graph: bool = True
     compile: CompileOptions | None = None
+    #: Named in messages and errors: the class the options were given to (not an option; configs compare without it).
+    component: str = field(default="CUDAGraphCallback", compare=False)
 
     @classmethod
     def from_options(cls, component: str, **options: Any) -> CUDAGraphConfig:
@@ -49,8 +51,8 @@ class CUDAGraphConfig:
         scope = normalize_scope(component, options.pop("scope", AUTO))
         compiled = compile_options(component, options.pop("compile", False), scope, options.get("impl"))
         modules = normalize_modules(component, options.pop("modules", None))
-        config = cls(scope=scope, modules=modules, compile=compiled, **options)
-        validate(config, component)
+        config = cls(scope=scope, modules=modules, compile=compiled, component=component, **options)
+        validate(config)
         return config
 
     @property
@@ -82,12 +84,12 @@ class CUDAGraphConfig:
 
     def options(self) -> dict[str, Any]:
         """The options as keyword arguments, in the form a user passes them (to build a callback from a strategy)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {option.name: getattr(self, option.name) for option in OPTIONS}
         values["scope"] = AUTO if self.auto_scope else list(self.scope)
         values["modules"] = {name: list(selectors) for name, selectors in self.modules.items()} or None
         values["compile"] = False if self.compile is None else self.compile.as_option()
         return values
 
 
-if [f.name for f in fields(CUDAGraphConfig)] != [option.name for option in OPTIONS]:
+if [f.name for f in fields(CUDAGraphConfig)] != [*(option.name for option in OPTIONS), "component"]:
     raise TypeError("lightning_cudagraph: CUDAGraphConfig's fields and the declared OPTIONS differ")

@@ -30,16 +30,18 @@ Config = Any
 __all__ = ["validate"]
 
 
-def validate(config: Config, component: str) -> None:
+def validate(config: Config) -> None:
     """Raise ``ValueError`` naming ``component`` on the first option or combination that cannot work."""
-    _check_choice(component, "impl", config.impl, IMPLS, "pass impl='local' (PyTorch graphs)")
-    _check_choice(component, "on_shape_change", config.on_shape_change, SHAPE_CHANGE_POLICIES, "pick one of them")
-    _check_choice(component, "on_failure", config.on_failure, FAILURE_POLICIES, "pick one of them")
-    _check_int(component, "warmup_steps", config.warmup_steps, 0, "pass a count of eager steps, e.g. 3")
-    _check_int(component, "confirm_steps", config.confirm_steps, 1, "pass at least 1")
+    _check_choice(config.component, "impl", config.impl, IMPLS, "pass impl='local' (PyTorch graphs)")
+    _check_choice(
+        config.component, "on_shape_change", config.on_shape_change, SHAPE_CHANGE_POLICIES, "pick one of them"
+    )
+    _check_choice(config.component, "on_failure", config.on_failure, FAILURE_POLICIES, "pick one of them")
+    _check_int(config.component, "warmup_steps", config.warmup_steps, 0, "pass a count of eager steps, e.g. 3")
+    _check_int(config.component, "confirm_steps", config.confirm_steps, 1, "pass at least 1")
     if config.confirm_steps > MAX_CONFIRM_STEPS:
         raise config_error(
-            component,
+            config.component,
             "confirm_steps",
             config.confirm_steps,
             f"1 to {MAX_CONFIRM_STEPS}",
@@ -47,22 +49,27 @@ def validate(config: Config, component: str) -> None:
             " graphs, and under scope='auto' every level confirms before the next is tried, so"
             f" {config.confirm_steps} steps would keep the fit in confirmation",
         )
-    _check_positive(component, "max_pool_mib", config.max_pool_mib, "pass a budget in MiB, or None for no limit")
+    _check_positive(config.component, "max_pool_mib", config.max_pool_mib, "pass a budget in MiB, or None for no limit")
     if config.seal_after_steps is not None:
-        _check_int(component, "seal_after_steps", config.seal_after_steps, 1, "pass an optimizer step, or None")
+        _check_int(config.component, "seal_after_steps", config.seal_after_steps, 1, "pass an optimizer step, or None")
     if config.audit_every_n_steps is not None:
-        _check_int(component, "audit_every_n_steps", config.audit_every_n_steps, 0, "pass a number of steps, or None")
-    _check_bool(component, "eval_graphs", config.eval_graphs, "pass eval_graphs=False for eager evaluation")
+        _check_int(
+            config.component, "audit_every_n_steps", config.audit_every_n_steps, 0, "pass a number of steps, or None"
+        )
+    _check_bool(config.component, "eval_graphs", config.eval_graphs, "pass eval_graphs=False for eager evaluation")
     _check_bool(
-        component, "optimizer_graph", config.optimizer_graph, "pass optimizer_graph=False for an eager optimizer step"
+        config.component,
+        "optimizer_graph",
+        config.optimizer_graph,
+        "pass optimizer_graph=False for an eager optimizer step",
     )
-    _validate_parity_tol(config, component)
-    _validate_max_graphs(config, component)
-    _validate_scope(config, component)
-    _validate_compile(config, component)
+    _validate_parity_tol(config)
+    _validate_max_graphs(config)
+    _validate_scope(config)
+    _validate_compile(config)
     if config.impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
         raise config_error(
-            component,
+            config.component,
             "impl",
             config.impl,
             "'local' without Transformer Engine; 'transformer_engine' once it is installed",
@@ -70,12 +77,12 @@ def validate(config: Config, component: str) -> None:
         )
 
 
-def _validate_compile(config: Config, component: str) -> None:
+def _validate_compile(config: Config) -> None:
     if config.compile is None:
         return
     if config.auto_scope:
         raise config_error(
-            component,
+            config.component,
             "compile",
             config.compile.as_option(),
             "compile with a fixed scope (scope=['layer'], ['attn', 'mlp'], ... or strategy='cudagraph_full')",
@@ -84,7 +91,7 @@ def _validate_compile(config: Config, component: str) -> None:
         )
     if config.impl == "transformer_engine":
         raise config_error(
-            component,
+            config.component,
             "compile",
             config.compile.as_option(),
             "compile with impl='local' (or impl='none', which captures and compiles nothing)",
@@ -92,14 +99,14 @@ def _validate_compile(config: Config, component: str) -> None:
         )
 
 
-def _validate_parity_tol(config: Config, component: str) -> None:
+def _validate_parity_tol(config: Config) -> None:
     value = config.parity_tol
     if value is None:
         return
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not math.isfinite(value) or not 0 < value <= MAX_PARITY_TOL:
         raise config_error(
-            component,
+            config.component,
             "parity_tol",
             value,
             f"a relative tolerance in (0, {MAX_PARITY_TOL}], or None for the precision's default",
@@ -108,13 +115,13 @@ def _validate_parity_tol(config: Config, component: str) -> None:
         )
 
 
-def _validate_max_graphs(config: Config, component: str) -> None:
+def _validate_max_graphs(config: Config) -> None:
     if config.max_graphs is None:
         return
-    _check_int(component, "max_graphs", config.max_graphs, 1, "pass at least 2 with on_shape_change='recapture'")
+    _check_int(config.component, "max_graphs", config.max_graphs, 1, "pass at least 2 with on_shape_change='recapture'")
     if config.on_shape_change != "recapture":
         raise config_error(
-            component,
+            config.component,
             "max_graphs",
             config.max_graphs,
             "max_graphs only with on_shape_change='recapture' (the other policies keep one graph set)",
@@ -122,7 +129,7 @@ def _validate_max_graphs(config: Config, component: str) -> None:
         )
     if config.max_graphs < 2:
         raise config_error(
-            component,
+            config.component,
             "max_graphs",
             config.max_graphs,
             "at least 2 with on_shape_change='recapture' (the first shape already holds one graph set)",
@@ -130,28 +137,30 @@ def _validate_max_graphs(config: Config, component: str) -> None:
         )
 
 
-def _validate_scope(config: Config, component: str) -> None:
+def _validate_scope(config: Config) -> None:
     known = (*SCOPES, *(k for k in config.modules if k not in SCOPES))
     allowed = f"'auto', or a list from {', '.join(repr(s) for s in known)}"
     if AUTO in config.scope and len(config.scope) > 1:
-        raise config_error(component, "scope", list(config.scope), allowed, "pass 'auto' alone or a list of scopes")
+        raise config_error(
+            config.component, "scope", list(config.scope), allowed, "pass 'auto' alone or a list of scopes"
+        )
     for name in config.scope:
         if name != AUTO and name not in known:
             close = did_you_mean(name, known)
             hint = f"did you mean {close!r}? Otherwise " if close is not None else ""
             raise config_error(
-                component,
+                config.component,
                 "scope",
                 list(config.scope),
                 allowed,
                 f"{hint}remove {name!r} or define it with modules={{{name!r}: 'a.glob.*.name'}}",
             )
-    _validate_modules_keys(config, component)
+    _validate_modules_keys(config)
     if FULL_ITERATION in config.scope:
-        _validate_full_iteration(config, component)
+        _validate_full_iteration(config)
     if "moe" in config.scope and "moe_router" in config.scope:
         raise config_error(
-            component,
+            config.component,
             "scope",
             list(config.scope),
             "'moe' (the whole MoE layer) or 'moe_router' (its router), not both",
@@ -159,7 +168,7 @@ def _validate_scope(config: Config, component: str) -> None:
         )
     if "moe_preprocess" in config.scope and "moe_router" not in config.scope:
         raise config_error(
-            component,
+            config.component,
             "scope",
             list(config.scope),
             "'moe_preprocess' together with 'moe_router'",
@@ -167,12 +176,12 @@ def _validate_scope(config: Config, component: str) -> None:
         )
 
 
-def _validate_modules_keys(config: Config, component: str) -> None:
+def _validate_modules_keys(config: Config) -> None:
     """A ``modules=`` key must take effect: used by a fixed scope, and under ``auto`` not a misspelt built-in."""
     builtin = [s for s in SCOPES if s != FULL_ITERATION]
     if config.modules and config.full_iteration:
         raise config_error(
-            component,
+            config.component,
             "modules",
             _shown_modules(config.modules),
             "no modules= with scope=['full_iteration'] (the whole step is captured, not modules)",
@@ -183,7 +192,7 @@ def _validate_modules_keys(config: Config, component: str) -> None:
         if name in SCOPES:
             if not config.auto_scope and name not in config.scope:
                 raise config_error(
-                    component,
+                    config.component,
                     "modules",
                     _shown_modules(config.modules, name),
                     f"keys that name a scope in scope={list(config.scope)!r}",
@@ -194,7 +203,7 @@ def _validate_modules_keys(config: Config, component: str) -> None:
         close = did_you_mean(name, builtin)
         if config.auto_scope and close is not None:
             raise config_error(
-                component,
+                config.component,
                 "modules",
                 _shown_modules(config.modules, name),
                 f"built-in scope names ({', '.join(builtin)}) to override them, or a new scope name unlike any"
@@ -206,7 +215,7 @@ def _validate_modules_keys(config: Config, component: str) -> None:
         if not config.auto_scope and name not in config.scope:
             hint = f"; or did you mean {close!r}?" if close is not None else ""
             raise config_error(
-                component,
+                config.component,
                 "modules",
                 _shown_modules(config.modules, name),
                 f"keys that name a scope in scope={list(config.scope)!r}",
@@ -215,10 +224,10 @@ def _validate_modules_keys(config: Config, component: str) -> None:
             )
 
 
-def _validate_full_iteration(config: Config, component: str) -> None:
+def _validate_full_iteration(config: Config) -> None:
     if len(config.scope) > 1:
         raise config_error(
-            component,
+            config.component,
             "scope",
             list(config.scope),
             "'full_iteration' alone, or scoped names without it",
@@ -226,7 +235,7 @@ def _validate_full_iteration(config: Config, component: str) -> None:
         )
     if config.impl == "none":
         raise config_error(
-            component,
+            config.component,
             "impl",
             config.impl,
             "'local' with scope=['full_iteration']; impl='none' with any other scope",
@@ -235,7 +244,7 @@ def _validate_full_iteration(config: Config, component: str) -> None:
         )
     if config.impl != "local":
         raise config_error(
-            component,
+            config.component,
             "impl",
             config.impl,
             "'local' with scope=['full_iteration']",
@@ -243,7 +252,7 @@ def _validate_full_iteration(config: Config, component: str) -> None:
         )
     if config.warmup_steps < 1:
         raise config_error(
-            component,
+            config.component,
             "warmup_steps",
             config.warmup_steps,
             "at least 1 with full_iteration",

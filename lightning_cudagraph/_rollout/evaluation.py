@@ -93,14 +93,14 @@ class EvaluationGraphs:
 
     Example:
         >>> from lightning_cudagraph._options.config import CUDAGraphConfig
-        >>> graphs = EvaluationGraphs(CUDAGraphConfig(), "CUDAGraphStrategy", EvaluationRecord())
+        >>> graphs = EvaluationGraphs(CUDAGraphConfig(), EvaluationRecord())
         >>> graphs.mode, graphs.graphs  # a loop's start picks the mode (Rollout.evaluation_start)
         ('eager', 0)
     """
 
-    def __init__(self, config: CUDAGraphConfig, component: str, record: EvaluationRecord) -> None:
-        self.config, self.component, self.record = config, component, record
-        self.policy = FailurePolicy(component, config.on_failure)
+    def __init__(self, config: CUDAGraphConfig, record: EvaluationRecord) -> None:
+        self.config, self.component, self.record = config, config.component, record
+        self.policy = FailurePolicy(config.component, config.on_failure)
         self.steps: EvalStepGraphs | None = None
         self.regions: EvalRegionGraphs | None = None
         self.mode = EAGER

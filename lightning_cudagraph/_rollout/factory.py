@@ -52,26 +52,25 @@ class DriverFactory:
     def __init__(
         self,
         config: CUDAGraphConfig,
-        component: str,
         backend: CaptureBackend,
         machine: StageMachine,
         trainer: pl.Trainer,
         plan: Plan,
         observer: Observer,
     ) -> None:
-        self.config, self.component, self.backend, self.machine = config, component, backend, machine
+        self.config, self.component, self.backend, self.machine = config, config.component, backend, machine
         self._trainer, self._plan, self._observer = trainer, plan, observer
         #: ``compile=``: the watch on dynamo from now on (``None`` without ``compile=``).
         self.compile_watch: CompileWatch | None = None
         self._forwards: CompiledForwards | None = None
         if config.compile is not None:
-            self.compile_watch = CompileWatch(machine.report, component)
+            self.compile_watch = CompileWatch(machine.report, config.component)
             self.compile_watch.install()
             self._forwards = CompiledForwards(config.compile)
 
     def __call__(self, level: Level, settings: LevelSettings, before_first_capture: Callable[[], None]) -> Driver:
         """A driver for ``level`` with ``settings``; ``before_first_capture`` runs right before its first capture."""
-        collaborators = (self.config, self.component, self.backend, self.machine, settings)
+        collaborators = (self.config, self.backend, self.machine, settings)
         driver: Driver
         if level.whole_step:
             compiled = CompiledModules(self.config.compile) if self.config.compile is not None else None

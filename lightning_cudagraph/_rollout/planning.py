@@ -21,14 +21,14 @@ from lightning_cudagraph._rollout.sharding import SCOPED_UNDER_FSDP2, scoped_gra
 __all__ = ["plan"]
 
 
-def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> Plan:
+def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
     """Plan every level of the fit: a fixed scope's one level, or the ladder of ``scope="auto"``.
 
     Raises:
         ValueError: A scope or override matches nothing, or a fixed scope's region uses activation checkpointing.
     """
     if config.auto_scope:
-        return _auto_plan(config, trainer, module, component)
+        return _auto_plan(config, trainer, module)
     if config.full_iteration:
         return Plan(
             (Level(FULL_ITERATION),),
@@ -36,16 +36,16 @@ def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModul
             scopes={FULL_ITERATION: ["<training step>"]},
             summary="the whole step is captured as one graph",
         )
-    resolution = resolve_scopes(module, config.scope, config.modules, component)
-    check_targets(resolution.targets, component)
+    resolution = resolve_scopes(module, config.scope, config.modules, config.component)
+    check_targets(resolution.targets, config.component)
     level = Level("+".join(config.scope), tuple(resolution.targets))
     return Plan((level,), climbs=False, patched=level.targets, scopes=resolution.matched, summary=resolution.summary())
 
 
-def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> Plan:
+def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
     """``scope="auto"``: every level the model has, those a capture cannot hold skipped with the reason."""
     for name in config.modules:  # every override must find modules (custom scopes join every level)
-        resolve_scopes(module, [name], config.modules, component)
+        resolve_scopes(module, [name], config.modules, config.component)
     levels = []
     whole_model = None if config.impl == "local" else f"impl={config.impl!r} captures layers at most"
     scoped = scoped_graphs(trainer)
@@ -100,11 +100,13 @@ def _whole_step_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | N
     """
     if not getattr(trainer.strategy, "supports_full_iteration", False):
         return "only the package's strategies capture the whole step: Trainer(strategy='cudagraph')"
-    whole = dataclasses.replace(config, scope=(FULL_ITERATION,), warmup_steps=DDP_WHOLE_STEP_WARMUP_STEPS)
+    whole = dataclasses.replace(
+        config, scope=(FULL_ITERATION,), warmup_steps=DDP_WHOLE_STEP_WARMUP_STEPS, component="scope='auto'"
+    )
     module = trainer.lightning_module
     try:
-        check_trainer(whole, trainer, module, "scope='auto'")
-        check_whole_step_hooks(whole, trainer, "scope='auto'")
+        check_trainer(whole, trainer, module)
+        check_whole_step_hooks(whole, trainer)
     except ValueError as error:
         return str(error)
     if config.impl != "local":

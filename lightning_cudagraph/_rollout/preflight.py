@@ -51,15 +51,15 @@ DDP_WHOLE_STEP_WARMUP_STEPS = 11
 _SUPPORTED_PRECISION = (MixedPrecision, HalfPrecision, DoublePrecision, TransformerEnginePrecision)
 
 
-def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> None:
+def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule) -> None:
     """Strategy, precision and loop settings that graphs cannot work with."""
-    _check_strategy(config, trainer, component)
-    _check_precision(config, trainer, component)
-    _check_seal(config, trainer, component)
-    _check_compile(config, trainer, module, component)
+    _check_strategy(config, trainer)
+    _check_precision(config, trainer)
+    _check_seal(config, trainer)
+    _check_compile(config, trainer, module)
     if anomaly_detection_on(trainer):
         raise config_error(
-            component,
+            config.component,
             "Trainer(detect_anomaly=...)",
             True,
             "detect_anomaly=False while CUDA graphs are on",
@@ -70,7 +70,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
         return
     if trainer.accumulate_grad_batches > 1 and is_overridden("optimizer_step", module):
         raise config_error(
-            component,
+            config.component,
             "LightningModule.optimizer_step",
             Verbatim(f"{type(module).__name__}.optimizer_step (overridden)"),
             "Lightning's own optimizer_step with scope=['full_iteration'] and accumulate_grad_batches > 1",
@@ -80,7 +80,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
         )
     if not module.automatic_optimization:
         raise config_error(
-            component,
+            config.component,
             "automatic_optimization",
             False,
             "automatic optimization with scope=['full_iteration']",
@@ -88,7 +88,7 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
         )
 
 
-def whole_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> str | None:
+def whole_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
     """Check the optimizers for the whole step once they exist.
 
     A fixed ``scope=["full_iteration"]`` refuses optimizers it cannot capture (``ValueError``). Under
@@ -96,17 +96,17 @@ def whole_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer, c
     or no whole step planned.
     """
     if config.full_iteration:
-        check_optimizers(config, trainer, component)
+        check_optimizers(config, trainer)
     if not config.auto_scope:
         return None
     try:
-        check_optimizers(dataclasses.replace(config, scope=(FULL_ITERATION,)), trainer, "scope='auto'")
+        check_optimizers(dataclasses.replace(config, scope=(FULL_ITERATION,), component="scope='auto'"), trainer)
     except ValueError as error:
         return str(error)
     return None
 
 
-def check_whole_step_hooks(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+def check_whole_step_hooks(config: CUDAGraphConfig, trainer: pl.Trainer) -> None:
     """Refuse module hooks on the whole step: they would run once, at capture, and be replayed as captured."""
     if not config.full_iteration:
         return
@@ -114,7 +114,7 @@ def check_whole_step_hooks(config: CUDAGraphConfig, trainer: pl.Trainer, compone
     if hooked:
         keeps = ", which keeps hooks on the captured regions firing" if scoped_graphs(trainer) else ""
         raise config_error(
-            component,
+            config.component,
             "scope",
             list(config.scope),
             "full_iteration on modules without forward or backward hooks",
@@ -123,7 +123,7 @@ def check_whole_step_hooks(config: CUDAGraphConfig, trainer: pl.Trainer, compone
         )
 
 
-def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer) -> None:
     """For the whole step: every optimizer can run its step inside a graph (and under a grad scaler if 16-mixed)."""
     if not config.full_iteration:
         return
@@ -133,10 +133,10 @@ def check_optimizers(config: CUDAGraphConfig, trainer: pl.Trainer, component: st
         unfit = unfit_optimizer(optimizer, automatic=automatic, grad_scaler=scaler, whole_step=True)
         if unfit is not None:
             fix = f"{unfit.what}; {unfit.fix}"
-            raise config_error(component, "optimizer", type(optimizer).__name__, unfit.allowed, fix)
+            raise config_error(config.component, "optimizer", type(optimizer).__name__, unfit.allowed, fix)
 
 
-def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer) -> None:
     strategy = trainer.strategy
     sharded = isinstance(strategy, ModelParallelStrategy) and getattr(strategy, "supports_full_iteration", False)
     if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)) or not (
@@ -145,7 +145,7 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
         offload = getattr(strategy, "cpu_offload", None) or "offload" in str(getattr(strategy, "config", ""))
         why = "CPU offloading moves parameters between host and device" if offload else "parameters move or reshard"
         raise config_error(
-            component,
+            config.component,
             "Trainer(strategy=...)",
             Verbatim(f"{type(strategy).__name__}(...)"),
             "a single-device, DDP or FSDP2 strategy (e.g. 'cudagraph', 'ddp_cudagraph', 'fsdp2_cudagraph_full')",
@@ -155,7 +155,7 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
         )
     if config.full_iteration and not getattr(strategy, "supports_full_iteration", False):
         raise config_error(
-            component,
+            config.component,
             "Trainer(strategy=...)",
             Verbatim(f"{type(strategy).__name__}(...)"),
             "CUDAGraphStrategy or DDPCUDAGraphStrategy with scope=['full_iteration']",
@@ -163,16 +163,16 @@ def _check_strategy(config: CUDAGraphConfig, trainer: pl.Trainer, component: str
             " strategy's batch and optimizer-step hooks",
         )
     if sharded:
-        check_sharded(config, trainer, component)
+        check_sharded(config, trainer)
     if isinstance(strategy, DDPStrategy):
-        check_ddp_warmup(config, component)
+        check_ddp_warmup(config)
 
 
-def check_ddp_warmup(config: CUDAGraphConfig, component: str) -> None:
+def check_ddp_warmup(config: CUDAGraphConfig) -> None:
     """Under DDP: the whole step runs :data:`DDP_WHOLE_STEP_WARMUP_STEPS` eager steps before its capture."""
     if config.full_iteration and config.warmup_steps < DDP_WHOLE_STEP_WARMUP_STEPS:
         raise config_error(
-            component,
+            config.component,
             "warmup_steps",
             config.warmup_steps,
             f">= {DDP_WHOLE_STEP_WARMUP_STEPS} when full_iteration runs under DDP",
@@ -192,11 +192,11 @@ def eager_steps_before_whole_step(trainer: pl.Trainer) -> int:
     return 1
 
 
-def _check_seal(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+def _check_seal(config: CUDAGraphConfig, trainer: pl.Trainer) -> None:
     max_steps = trainer.max_steps
     if config.seal_after_steps is not None and max_steps is not None and 0 <= max_steps < config.seal_after_steps:
         raise config_error(
-            component,
+            config.component,
             "seal_after_steps",
             config.seal_after_steps,
             f"at most Trainer(max_steps={max_steps}), or None",
@@ -205,14 +205,14 @@ def _check_seal(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) ->
         )
 
 
-def check_seal_within_the_fit(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+def check_seal_within_the_fit(config: CUDAGraphConfig, trainer: pl.Trainer) -> None:
     """Once the data is known (fit start): a seal past the last step of a fit bounded by epochs would never come."""
     if config.seal_after_steps is None or not (trainer.max_steps is None or trainer.max_steps < 0):
         return
     total = trainer.estimated_stepping_batches
     if math.isfinite(total) and config.seal_after_steps > total:
         raise config_error(
-            component,
+            config.component,
             "seal_after_steps",
             config.seal_after_steps,
             f"at most the fit's {int(total)} optimizer steps (max_epochs={trainer.max_epochs}), or None",
@@ -221,11 +221,11 @@ def check_seal_within_the_fit(config: CUDAGraphConfig, trainer: pl.Trainer, comp
         )
 
 
-def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer) -> None:
     plugin = trainer.precision_plugin
     if type(plugin) is not Precision and not isinstance(plugin, _SUPPORTED_PRECISION):
         raise config_error(
-            component,
+            config.component,
             "Trainer(precision=...)",
             getattr(plugin, "precision", type(plugin).__name__),
             "'32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true', 'transformer-engine'",
@@ -233,7 +233,7 @@ def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer, component: st
         )
     if isinstance(plugin, TransformerEnginePrecision) and config.impl != "transformer_engine":
         raise config_error(
-            component,
+            config.component,
             "impl",
             config.impl,
             "'transformer_engine' with TransformerEnginePrecision",
@@ -241,16 +241,20 @@ def _check_precision(config: CUDAGraphConfig, trainer: pl.Trainer, component: st
         )
     if config.full_iteration and isinstance(plugin, TransformerEnginePrecision):
         raise config_error(
-            component, "scope", list(config.scope), "scoped capture with Transformer Engine", "pass scope=['layer']"
+            config.component,
+            "scope",
+            list(config.scope),
+            "scoped capture with Transformer Engine",
+            "pass scope=['layer']",
         )
 
 
-def _check_compile(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule, component: str) -> None:
+def _check_compile(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModule) -> None:
     """Graphs in graphs (inductor's own CUDA graphs inside a capture), and ``compile=`` under DDP."""
     problem = inductor_graphs_in(module)
     if problem is not None:
         raise config_error(
-            component,
+            config.component,
             "torch.compile(mode='reduce-overhead')",
             problem,
             "compiled modules without inductor's CUDA graphs",
@@ -259,7 +263,7 @@ def _check_compile(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Ligh
         )
     if config.compile is not None and not isinstance(trainer.strategy, SingleDeviceStrategy):
         raise config_error(
-            component,
+            config.component,
             "compile",
             config.compile.as_option(),
             "compile= on one device",

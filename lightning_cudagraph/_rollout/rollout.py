@@ -47,25 +47,25 @@ class Rollout:
         backend: The capture backend; ``None`` picks CUDA on a CUDA device (and graphs off elsewhere).
     """
 
-    def __init__(self, config: CUDAGraphConfig, component: str, backend: CaptureBackend | None = None) -> None:
+    def __init__(self, config: CUDAGraphConfig, backend: CaptureBackend | None = None) -> None:
         self.config = config
-        self.component = component
+        self.component = config.component
         self.report = CUDAGraphReport()
-        policy = FailurePolicy(component, config.on_failure, auto_scope=config.auto_scope)
+        policy = FailurePolicy(config.component, config.on_failure, auto_scope=config.auto_scope)
         self.machine = StageMachine(self.report, policy, release=self.release)
         self.backend = backend
         #: The level runner: idle (no level, an idle driver) until setup plans the levels and fit start attaches it.
-        self.climb = Climb(Plan((), climbs=False), self.report, component, LevelSettings.of(config))
+        self.climb = Climb(Plan((), climbs=False), self.report, config.component, LevelSettings.of(config))
         #: The package's metrics of the fit, once per log interval.
         self.log = FitLog(self.report)
         #: Validation, test and predict on forward-only graphs (:mod:`lightning_cudagraph._rollout.evaluation`).
-        self.evaluation = EvaluationGraphs(config, component, self.report.evaluation)
+        self.evaluation = EvaluationGraphs(config, self.report.evaluation)
         self._sealed = False
         #: Whether the strategy hands every micro-batch of an accumulation window to the whole step: a whole-step
         #: level is planned (and not skipped), under automatic optimization. Set when the fit starts.
         self.whole_step_accumulation = False
         #: What the eager steps' Python showed (the package's strategies run the whole step: it is watched there).
-        self.step_python = StepPython(Observer(trace=config.compile is None), component)
+        self.step_python = StepPython(Observer(trace=config.compile is None), config.component)
         self._plan_summary = ""  # what the levels would capture, said in the no_cuda message on a CPU
 
     @property
@@ -90,8 +90,8 @@ class Rollout:
             self.machine.disable("impl_none", warn=False)
             return
         with self._refusals_disable():
-            preflight.check_trainer(self.config, trainer, module, self.component)
-            plan = planning.plan(self.config, trainer, module, self.component)
+            preflight.check_trainer(self.config, trainer, module)
+            plan = planning.plan(self.config, trainer, module)
         self.climb = Climb(plan, self.report, self.component, LevelSettings.of(self.config))
         self.report.scopes = dict(plan.scopes)
         if self.climb.ladder.current is None:
@@ -107,9 +107,9 @@ class Rollout:
         if not self.machine.graphs_allowed or self.climb.ladder.current is None:  # off, or no level planned
             return
         with self._refusals_disable():
-            problem = preflight.whole_step_optimizer_problem(self.config, trainer, self.component)
-            preflight.check_whole_step_hooks(self.config, trainer, self.component)
-            preflight.check_seal_within_the_fit(self.config, trainer, self.component)
+            problem = preflight.whole_step_optimizer_problem(self.config, trainer)
+            preflight.check_whole_step_hooks(self.config, trainer)
+            preflight.check_seal_within_the_fit(self.config, trainer)
         if problem is not None:
             self.climb.ladder.skip(FULL_ITERATION, problem)
         if self.backend is None:
@@ -132,7 +132,7 @@ class Rollout:
         # DDP rebuilds its gradient buckets on the second step, with one process too: a set-up step as well.
         self.step_python.setup_steps = 2 if isinstance(trainer.strategy, DDPStrategy) else 1
         factory = DriverFactory(
-            self.config, self.component, self.backend, self.machine, trainer, self.climb.plan, self.step_python.observer
+            self.config, self.backend, self.machine, trainer, self.climb.plan, self.step_python.observer
         )
         self.climb.attach(trainer, self.backend, self.machine, factory)
 

@@ -19,11 +19,11 @@ SCOPED_UNDER_FSDP2 = (
 )
 
 
-def check_sharded(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) -> None:
+def check_sharded(config: CUDAGraphConfig, trainer: pl.Trainer) -> None:
     """FSDP2: the whole step alone, one optimizer step per batch."""
     if not config.auto_scope and not config.full_iteration:
         raise config_error(
-            component,
+            config.component,
             "scope",
             list(config.scope),
             "['full_iteration'] or 'auto' under FSDP2",
@@ -31,7 +31,7 @@ def check_sharded(config: CUDAGraphConfig, trainer: pl.Trainer, component: str) 
         )
     if trainer.accumulate_grad_batches > 1:
         raise config_error(
-            component,
+            config.component,
             "Trainer(accumulate_grad_batches=...)",
             trainer.accumulate_grad_batches,
             "1 under FSDP2 with CUDA graphs",
