@@ -40,7 +40,9 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         ``cudagraph/graphs``, ``cudagraph/replays``, ``cudagraph/fallbacks``, ``cudagraph/capture_ms``,
         ``cudagraph/pool_mib``, ``cudagraph/step_ms``, ``cudagraph/eager_step_ms``, ``cudagraph/speedup``,
         ``cudagraph/parity_err``, ``cudagraph/rollbacks``, ``cudagraph/captures``, ``cudagraph/evictions``,
-        ``cudagraph/hit_rate``, ``cudagraph/capture_ms_total`` and, under ``scope="auto"``, ``cudagraph/level``.
+        ``cudagraph/hit_rate``, ``cudagraph/capture_ms_total``; under ``scope="auto"``, ``cudagraph/level``; with
+        ``compile=``, ``cudagraph/compile_s`` and ``cudagraph/recompiles``; for a scoped level's optimizer graph
+        (through the package's strategies), ``cudagraph/optimizer_graph`` (numbered like the stage).
         The same figures, the levels tried, and the reasons behind fallbacks, exclusions and rollbacks are in
         :attr:`report`.
 

@@ -9,6 +9,7 @@ heading.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import os
 import re
@@ -20,6 +21,9 @@ import lightning.pytorch as pl
 import pytest
 import yaml  # type: ignore[import-untyped]
 
+from lightning_cudagraph import CUDAGraphCallback
+from lightning_cudagraph._options.options import FULL_ITERATION, OPTIONS, SCOPES
+from lightning_cudagraph.health import LEVEL_NUMBERS, CUDAGraphReport
 from lightning_cudagraph.strategy_names import _REGISTERED  # importing it registers the names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,3 +208,44 @@ def test_the_readme_comparison_with_compile_and_thunder_is_the_committed_json() 
     speedups = {m: {r["variant"]: r["speedup"] for r in got["results"]} for m, got in record["models"].items()}
     expected = [f"{speedups[model][variant]:.2f}" for model in ("small", "medium") for variant in order]
     assert re.findall(r"(\d+\.\d+)x", paragraph) == expected
+
+
+# =================================================================== the glossary and the metric list
+GLOSSARY = DOCS / "glossary.md"
+_ROW = re.compile(r"^\| ([^|]+?) \| (.+) \|$", re.MULTILINE)
+
+
+def glossary() -> dict[str, str]:
+    """The glossary's words and their meanings (the table's rows, its header aside)."""
+    rows = dict(_ROW.findall(GLOSSARY.read_text()))
+    rows.pop("word", None)
+    return rows
+
+
+def test_the_glossary_levels_are_the_ladders_levels() -> None:
+    named = re.findall(r"`([^`]+)`", glossary()["level"])
+    assert named == list(LEVEL_NUMBERS)
+
+
+def test_the_glossary_names_every_registered_whole_step_strategy() -> None:
+    named = set(re.findall(r"`([a-z0-9_]+)`", glossary()["whole step"])) & set(_REGISTERED)
+    whole = {name for name, (_, options, _) in _REGISTERED.items() if options.get("scope") == [FULL_ITERATION]}
+    assert named == whole
+
+
+def test_every_code_name_in_the_glossary_is_an_option_a_level_or_a_strategy() -> None:
+    known = {option.name for option in OPTIONS} | set(LEVEL_NUMBERS) | set(_REGISTERED) | set(SCOPES)
+    named = {name.rstrip("=") for meaning in glossary().values() for name in re.findall(r"`([^`]+)`", meaning)}
+    assert named - known == set()
+
+
+def test_every_glossary_word_is_a_word_of_the_package() -> None:
+    source = " ".join(path.read_text() for path in PACKAGE.rglob("*.py")).lower()
+    unused = [word for word in glossary() if word.lower() not in source]
+    assert unused == []
+
+
+def test_the_callbacks_docstring_names_every_logged_metric() -> None:
+    emitted = re.findall(r'"(\w+)":', inspect.getsource(CUDAGraphReport.metrics))
+    documented = set(re.findall(r"``cudagraph/(\w+)``", CUDAGraphCallback.__doc__ or ""))
+    assert emitted and set(emitted) - documented == set()
