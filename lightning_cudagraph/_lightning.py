@@ -1,13 +1,7 @@
 """Every place the package touches Lightning internals, behind one fence, so a Lightning upgrade is one file.
 
-- A replayed step never runs Lightning's closure, yet the loop consumes the closure's result; the result is
-  rebuilt from the step's output (NeMo's Lightning callback does the same).
-- ``self.log`` calls made by a captured ``training_step`` are recorded instead of run (logging a number copies it
-  to the GPU, which a capture forbids), then re-issued after each replay as if ``training_step`` made them; after
-  the first, straight into the metric Lightning registered for them (``self.log`` itself costs as much host time as
-  the rest of a small replayed step).
-- A LightningModule's Trainer is read before ``Trainer.lightning_module`` is set; a single-device strategy's
-  device is read where Lightning keeps it; anomaly detection is read from the Trainer.
+A replayed step never runs Lightning's closure, yet the loop consumes its result: it is rebuilt from the step's
+output (NeMo's Lightning callback does the same).
 """
 
 from __future__ import annotations
@@ -72,10 +66,6 @@ def last_ready_batch(trainer: pl.Trainer) -> bool:
     return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
 
-#: The hook whose ``self.log`` calls a whole-step graph holds.
-_TRAINING_STEP = "training_step"
-
-
 @dataclass(frozen=True)
 class _Feed:
     """Where a re-issued ``self.log`` call lands: its key, the metric registered for it, its ``batch_size``."""
@@ -89,10 +79,9 @@ class _Feed:
 class StepLogs:
     """The ``self.log`` calls of a captured ``training_step``: recorded instead of run, re-issued after each replay.
 
-    Lightning's ``self.log`` costs about half a millisecond of host time per call (it rebuilds and compares the
-    call's metadata and moves the stored metric every time), as much as the rest of a replayed small step. So a call
-    goes through ``self.log`` the first time, and whenever the epoch's metrics were reset; later it feeds the metric
-    that first call registered directly (``update_metrics``, where ``self.log`` ends), which keeps the same
+    Lightning's ``self.log`` costs about half a millisecond of host time per call, as much as the rest of a replayed
+    small step. So a call goes through ``self.log`` the first time (and after the epoch's metrics were reset), then
+    feeds the metric it registered directly (``update_metrics``, where ``self.log`` ends), which keeps the same
     reduction, ``batch_size``, ``sync_dist`` and ``on_step``/``on_epoch`` handling. A value that is not a tensor, a
     graph-enabled value, a dataloader suffix or a LightningModule that overrides ``log`` always takes ``self.log``.
 
@@ -106,7 +95,7 @@ class StepLogs:
         ['train_loss']
     """
 
-    def __init__(self, hook: str = _TRAINING_STEP) -> None:
+    def __init__(self, hook: str = "training_step") -> None:
         #: The step hook whose ``self.log`` calls these are (``validation_step`` for an evaluation graph).
         self.hook = hook
         self.calls: list[LogCall] = []
@@ -133,7 +122,7 @@ class StepLogs:
                 del module.__dict__["log"]
 
     def reissue(self, module: pl.LightningModule) -> None:
-        """Re-issue the recorded calls, attributed to :attr:`hook` (``training_step``) so they join the same metrics."""
+        """Re-issue the recorded calls, attributed to :attr:`hook` so they join the same metrics."""
         if not self.calls:
             return
         trainer = module.trainer
@@ -167,7 +156,7 @@ class StepLogs:
         self._feeds = []
 
 
-def _feed(module: pl.LightningModule, results: Any, call: LogCall, hook: str = _TRAINING_STEP) -> _Feed | None:
+def _feed(module: pl.LightningModule, results: Any, call: LogCall, hook: str) -> _Feed | None:
     """Where ``call`` landed after ``self.log`` ran it, or ``None`` when it must always go through ``self.log``."""
     name, value, args, kwargs = call
     if not isinstance(value, Tensor) or results.dataloader_idx is not None:

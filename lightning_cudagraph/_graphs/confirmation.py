@@ -1,11 +1,9 @@
 """Confirmation and audits of scoped regions: the checks a confirming step ran, weighed once the step ends.
 
-A confirming step replays each region's forward beside the eager forward on the same inputs (parity), checks the
-tensors' addresses and records the order backward graphs ran in (:mod:`lightning_cudagraph._graphs.routing`). Here
-those findings decide: a region that disagrees with eager is excluded (the same ones on every rank), a wrong backward
-order or a moved parameter rolls back, and the stage machine confirms once a step ran on graphs forward and
-backward. An audit is the same check of one region again: dense right after capture, then every
-``audit_every_n_steps`` replayed steps (:mod:`lightning_cudagraph._trust.cadence`).
+The router (:mod:`lightning_cudagraph._graphs.routing`) records parity, addresses and backward order. Here a region
+that disagrees with eager is excluded (the same ones on every rank), a wrong backward order or a moved parameter
+rolls back, and the stage machine confirms once a step ran on graphs forward and backward. An audit is the same
+check of one region again.
 """
 
 from __future__ import annotations
@@ -26,16 +24,7 @@ from lightning_cudagraph.health import Stage
 class RegionConfirmation:
     """Weighs what confirming and audited steps saw, and turns it into exclusions, rollbacks or a confirmation.
 
-    Args:
-        config: The options (``audit_every_n_steps``, ``on_failure``, whether the scope is ``auto``).
-        machine: Agrees findings across ranks, rolls back and confirms.
-        regions: Which targets are captured; a region that fails parity is excluded there.
-        graph_sets: The driver's graph sets by batch shape.
-        tolerance: The parity tolerance of the captured precision (read when a step is weighed).
-
-    Example:
-        >>> confirmation = RegionConfirmation(config, machine, regions, graph_sets, lambda: 1e-4)  # doctest: +SKIP
-        >>> confirmation.step_ended(route, outputs)  # doctest: +SKIP
+    ``tolerance`` gives the parity tolerance of the captured precision, read when a step is weighed.
     """
 
     def __init__(
@@ -55,10 +44,7 @@ class RegionConfirmation:
     def audit_when_due(self, graph_set: GraphSet) -> None:
         """When an audit is due (:class:`~lightning_cudagraph._trust.cadence.AuditCadence`), check one region again.
 
-        The regions take their turns (round-robin).
-
-        The region's forward graph replays beside the eager forward on the step's real inputs (parity), and the
-        step checks addresses and backward order; a region that fails is excluded (or the fit rolls back), loudly.
+        The regions take their turns; the step then checks it as a confirming step does.
         """
         if self.machine.stage != Stage.REPLAYING or graph_set.confirm_left > 0 or not graph_set.entries:
             return
@@ -102,9 +88,8 @@ class RegionConfirmation:
     def _problem_rolls_back(self, route: StepRoute) -> bool:
         """Roll back on a problem the step found (parameters changed), taken for every rank at once.
 
-        A confirming step ends at a decision point on every rank: the problem is agreed there. A replaying step
-        is not one: alone, the rollout rolls back now; under several ranks the problem waits for the next health
-        check (its steps fall back to eager on this rank until then, which keeps them right).
+        A confirming step ends at a decision point on every rank, so the problem is agreed there. A replaying step is
+        not one: under several ranks the problem waits for the next health check (this rank's steps run eagerly).
         """
         agreement = self.machine.agreement
         if route.confirming:

@@ -1,9 +1,8 @@
 """The lifecycle both kinds of evaluation graph share: the cache by key, the decision, the checked capture.
 
-An evaluation graph (a whole evaluation step, or one region's forward) is captured on the second time its key is
-seen (the first run is its eager warmup), replayed once on the capture's inputs and compared with the eager result
-of the same inputs before it is trusted. A graph that fails its capture or that check is dropped, and its key runs
-eagerly with the reason; with ``on_failure="raise"`` the failure raises instead.
+An evaluation graph (a whole evaluation step, or one region's forward) is captured the second time its key is seen,
+replayed once on the capture's inputs and kept only if it gives the eager result. A key whose graph fails runs
+eagerly with the reason (or raises under ``on_failure="raise"``).
 """
 
 from __future__ import annotations
@@ -76,15 +75,8 @@ class EvalGraphCache(GraphCache[G]):
 class EvalGraphs(Generic[G]):
     """Evaluation graphs of one kind: what to do with a key, and the capture that is checked before it is kept.
 
-    A kind supplies its key, what its graph holds (:meth:`capture`'s ``body``) and its replay.
-
-    Args:
-        backend: Captures and replays (its pool is the training graphs' pool during a fit).
-        record: The evaluation figures of the report.
-        policy: What a failed capture or parity check does.
-        component: Named in messages.
-        tolerance: Largest relative difference between a graph and the eager result allowed.
-        limit: Most graphs held.
+    A kind supplies its key, what its graph holds (:meth:`capture`'s ``body``) and its replay. ``tolerance`` is the
+    largest relative difference from the eager result allowed; ``limit`` the most graphs held.
     """
 
     def __init__(
@@ -132,8 +124,7 @@ class EvalGraphs(Generic[G]):
         """Capture ``body`` into ``graph``, replay it once and keep it if it gives the eager result; else the failure.
 
         ``checked`` is the eager result and a reader of the graph's; ``static`` the inputs made for the graph (their
-        memory is counted). A graph not kept is reset and its key stays eager; the caller hands the failure to
-        :meth:`fail` once its eager result is in place.
+        memory is counted). The caller hands a failure to :meth:`fail` once its eager result is in place.
         """
         pool_mib, started = self.backend.pool_mib(), time.perf_counter()
         error: Exception | None = None

@@ -1,14 +1,9 @@
 """Forward-only graphs of the trained level's regions, for evaluation loops run through the callback alone.
 
-The training graphs of a scoped level hold autograd state (a forward graph paired with its backward) and cannot be
-replayed under ``torch.no_grad()`` or inference mode. During an evaluation loop each trained region gets graphs of
-its own: its forward, captured under the loop's grad mode, one per call signature. The region's ``forward`` is
-wrapped for the loop only, on top of whatever the training driver installed, and given back when the loop ends.
-The step's Python (``self.log``, metrics, everything between the regions) stays eager, so every log call and
-metric update runs as it would without graphs.
-
-A signature's first call runs eagerly (its warmup); its second runs eagerly as the real call, then the graph is
-captured on copies of the same inputs and replayed once, and kept only if it gives the eager output.
+A scoped level's training graphs pair each forward with its backward and cannot replay under ``torch.no_grad()`` or
+inference mode, so during an evaluation loop each region gets forward graphs of its own, one per call signature.
+Its ``forward`` is wrapped for the loop only, on top of the training driver's. The step's Python (``self.log``,
+metrics) stays eager.
 """
 
 from __future__ import annotations
@@ -70,12 +65,7 @@ class RegionForward(PatchedForward):
 
 
 class EvalRegionGraphs(EvalGraphs[_RegionGraph]):
-    """Forward-only graphs of some regions during evaluation loops, in the backend's pool.
-
-    Args:
-        See :class:`~lightning_cudagraph._graphs.eval_capture.EvalGraphs` (``limit``: graphs per region, one per call
-        signature).
-    """
+    """Forward-only graphs of some regions during evaluation loops, in the backend's pool (``limit`` per region)."""
 
     def __init__(
         self,

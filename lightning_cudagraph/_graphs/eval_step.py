@@ -1,28 +1,23 @@
 """The whole evaluation step as one forward-only graph: ``validation_step``, ``test_step`` or ``predict_step``.
 
-The strategy hands over the batch (``batch_to_device``: :meth:`EvalStepGraphs.plan` picks the step's graph and
-returns its static batch with the new values copied in) and the step itself (``validation_step`` and the others:
-:meth:`EvalStepGraphs.run`). One graph per step hook and batch key. A key's first step runs eagerly (its warmup).
-Its second step runs eagerly too, as the real step, and then the graph is captured on the same static batch and
-replayed once: the graph is kept only if its output and its ``self.log`` values equal the eager step's. A replayed
-step re-issues the captured ``self.log`` calls and hands Lightning a copy of the output, so ``val_loss``,
-checkpointing, early stopping and predictions are what eager evaluation gives.
-
-A torchmetrics metric updated inside the step would not count its updates on replay (its ``update`` is Python):
-such a step is never captured, and the loop runs eagerly with the reason.
+The strategy hands over the batch (``batch_to_device``: :meth:`EvalStepGraphs.plan`) and the step itself
+(:meth:`EvalStepGraphs.run`). A key's second step runs eagerly as the real step, then the graph is captured on the
+same static batch and kept only if its output and ``self.log`` values equal the eager step's. A replay re-issues the
+captured ``self.log`` calls, so ``val_loss``, checkpointing, early stopping and predictions match eager evaluation.
+A step that updates a torchmetrics metric is never captured: a replay would not run ``update``'s Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
+from lightning_cudagraph._backend.backend import StepGraph
 from lightning_cudagraph._graphs.eval_capture import EvalGraphs
 from lightning_cudagraph._lightning import StepLogs
 from lightning_cudagraph._options.batches import (
@@ -34,8 +29,6 @@ from lightning_cudagraph._options.batches import (
     own_copy,
 )
 from lightning_cudagraph._trust.evidence import MetricUpdates
-from lightning_cudagraph._trust.failure import FailurePolicy
-from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["EvalStep", "EvalStepGraphs", "metric_in_eval_graph"]
 
@@ -58,7 +51,6 @@ class EvalStep:
     logs: StepLogs
     graph: StepGraph | None = None
     output: Any = None
-    replays: int = 0
 
     def reset(self) -> None:
         """Free the graph and drop the buffers."""
@@ -75,30 +67,14 @@ class _Plan:
     key: StepKey
     step: EvalStep
     capture: bool = False
-    logs: list[Any] = field(default_factory=list)
 
 
 class EvalStepGraphs(EvalGraphs[EvalStep]):
-    """Forward-only graphs of whole evaluation steps, one per step hook and batch key, in the backend's pool.
+    """Forward-only graphs of whole evaluation steps, one per step hook and batch key, in the backend's pool."""
 
-    Args:
-        See :class:`~lightning_cudagraph._graphs.eval_capture.EvalGraphs` (``limit``: graphs held, least recently
-        used evicted).
-    """
-
-    def __init__(
-        self,
-        backend: CaptureBackend,
-        record: EvaluationRecord,
-        policy: FailurePolicy,
-        component: str,
-        tolerance: float,
-        limit: int,
-    ) -> None:
-        super().__init__(backend, record, policy, component, tolerance, limit)
-        #: Why every step runs eagerly from now on (a metric updated inside the step), or ``None``.
-        self.off: str | None = None
-        self._plan: _Plan | None = None
+    #: Why every step runs eagerly from now on (a metric updated inside the step), or ``None``.
+    off: str | None = None
+    _plan: _Plan | None = None
 
     # ------------------------------------------------------------------ the plan (``batch_to_device``)
     def plan(self, hook: str, batch: Any) -> Any:
@@ -134,7 +110,6 @@ class EvalStepGraphs(EvalGraphs[EvalStep]):
     def _replay(self, step: EvalStep, module: pl.LightningModule) -> Any:
         assert step.graph is not None, "a cached evaluation step always holds its graph"
         step.graph.replay()
-        step.replays += 1
         self.record.replays += 1
         step.logs.reissue(module)
         return own_copy(step.output)  # the next replay rewrites the static output

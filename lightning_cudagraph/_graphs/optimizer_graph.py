@@ -1,19 +1,11 @@
 """The optimizer step of a scoped fit as its own graph, replayed after the eager backward.
 
-A scoped step runs ``training_step``, ``zero_grad``, the backward, ``on_before_optimizer_step`` and gradient clipping
-eagerly (its regions replay inside), then the optimizer's update. The update is the same kernels on the same
-tensors every step, so it is captured once and replayed: while the package's strategy runs Lightning's optimizer
-step, the torch optimizer's ``step`` is Lightning's closure, a copy of the fresh gradients into the graph's static
-gradient buffers, and the replay. The optimizer runs in its capturable form for the fit
-(:class:`~lightning_cudagraph._graphs.step_optimizers.StepOptimizers`, as for the whole step): learning rates are
-device tensors that schedulers update in place, so schedules reach the graph. Clipping stays eager, in Lightning's
-closure.
-
-Trust: the capture step and the next ``confirm_steps - 1`` steps (and one every ``audit_every_n_steps``) replay from
-a copy of the parameters and optimizer state, then put it back and run the eager update, which training keeps; the
-two must agree. A step on which the set of parameters with a gradient differs from the capture's (an unused or
-frozen parameter) runs the eager update, counted. A setting the graph baked in that moves rolls back. With the
-callback alone (no package strategy) nothing here runs: the callback cannot own the optimizer step.
+While the package's strategy runs Lightning's optimizer step, the torch optimizer's ``step`` is Lightning's closure
+(``training_step``, backward, clipping: eager, regions replayed inside), a copy of the fresh gradients into the
+graph's static buffers, and the replay. The optimizer is capturable for the whole fit, so schedulers reach the graph
+through device learning rates. The capture step, the next ``confirm_steps - 1`` and each audit replay from a copy of
+the state, put it back and compare with the eager update, which training keeps. The callback alone cannot own the
+optimizer step, so nothing here runs without the package's strategy.
 """
 
 from __future__ import annotations
@@ -55,18 +47,7 @@ OPTION_OFF = "optimizer_graph=False"
 
 
 class OptimizerGraph:
-    """Captures a scoped fit's optimizer update once and replays it after each eager backward.
-
-    Args:
-        config: The validated options (``confirm_steps``, ``audit_every_n_steps``, ``on_failure``, ``max_pool_mib``).
-        component: Named in messages.
-        backend: Captures into the scoped graphs' pool, and makes the optimizer capturable.
-        machine: Rolls back when the graph is wrong or a baked-in setting moves.
-
-    Example:
-        >>> graph = OptimizerGraph(config, "CUDAGraphStrategy", backend, machine)  # doctest: +SKIP
-        >>> graph.run(trainer, optimizer, run_step, graphs_live=True)  # doctest: +SKIP
-    """
+    """Captures a scoped fit's optimizer update once and replays it after each eager backward."""
 
     def __init__(self, config: CUDAGraphConfig, backend: CaptureBackend, machine: StageMachine) -> None:
         self.config, self.component, self.backend, self.machine = config, config.component, backend, machine
@@ -95,7 +76,7 @@ class OptimizerGraph:
         if not graphs_live:
             return run_eagerly(run_step)
         if self._graph is not None and self.report.captures != self._captures_seen:
-            self._drop_for_recapture()  # a capture since reuses the pool: the update is captured again after it
+            self.level_changed()  # a capture since reuses the pool: the update is captured again after it
         module = trainer.lightning_module
         eager_update = eager_update_of(optimizer)
 
@@ -130,11 +111,10 @@ class OptimizerGraph:
             eager_update()
             if check_due:  # every rank takes its checks at the same steps: this one has nothing to check
                 self._weigh(None)
-            return
-        if check_due:
+        elif check_due:
             self._shadow(module, eager_update)
-            return
-        self._replay(grads)
+        else:
+            self._replay(grads)
 
     def _replay(self, grads: list[torch.Tensor | None]) -> None:
         assert self._graph is not None, "the optimizer graph replays only once captured"
@@ -153,8 +133,9 @@ class OptimizerGraph:
             eager_update()
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        if any(g.is_sparse for g in grads) or any(not optimizer.state.get(p) for p in params if p.grad is not None):
+        with_grad = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        if any(g.is_sparse for g in grads) or any(not optimizer.state.get(p) for p in with_grad):
             eager_update()  # a parameter's state is made by its first eager update: capture on a later step
             return
         self._params, self._has_grad = params, [p.grad is not None for p in params]
@@ -164,7 +145,8 @@ class OptimizerGraph:
         state = TrainingState.take(module, [optimizer], self.backend.device)
         started, error = time.perf_counter(), None
         try:
-            self._set_grads(self._static_grads)
+            for p, static in zip(with_grad, self._static_grads, strict=True):
+                p.grad = static
             with self.backend.failure_guard():
                 self._graph = self.backend.capture_step(lambda: run_eagerly(eager_update))
         except Exception as err:  # the update stays eager; the regions keep their graphs
@@ -196,7 +178,7 @@ class OptimizerGraph:
     def _shadow(self, module: Any, eager_update: Callable[[], Any], state: TrainingState | None = None) -> None:
         """Replay from a copy of the weights and optimizer state, put it back, run the eager update; compare them.
 
-        Training keeps the eager update, so a graph that fails the check never touched the weights. One host sync.
+        Training keeps the eager update, so a graph that fails the check never touched the weights.
         """
         optimizer = self._optimizer
         assert optimizer is not None, "the optimizer graph checks the optimizer it captured"
@@ -265,12 +247,6 @@ class OptimizerGraph:
         if not reason.startswith("optimizer_not_graphed: manual"):
             rank_zero_warn(f"{self.component}: the optimizer step stays eager, the regions keep their graphs: {reason}")
 
-    def _set_grads(self, grads: list[Tensor]) -> None:
-        buffers = iter(grads)
-        for p, had in zip(self._params, self._has_grad, strict=True):
-            if had:
-                p.grad = next(buffers)
-
     # ------------------------------------------------------------------ levels, checkpoints, release
     def _reset_graph(self) -> None:
         graph, self._graph = self._graph, None
@@ -278,14 +254,11 @@ class OptimizerGraph:
         if graph is not None:
             graph.reset()
 
-    def _drop_for_recapture(self) -> None:
+    def level_changed(self) -> None:
+        """Another scoped level is captured in place: its pool is new, and the update is captured again after it."""
         self._reset_graph()
         if self.off_reason is None and self.report.optimizer_graph is not None:
             self.report.optimizer_graph = WAITING
-
-    def level_changed(self) -> None:
-        """Another scoped level is captured in place: its pool is new, and the update is captured again after it."""
-        self._drop_for_recapture()
 
     def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
         """Save optimizers as the user built them (float learning rates, their own flags)."""

@@ -1,9 +1,7 @@
 """Patched forwards and the per-call policy of scoped graphs.
 
-Each target module's ``forward`` is replaced by a :class:`TargetForward` while graphs are in use. Called in a
-training step, it records the call (warmup steps), replays the region's graph (signature matched), or runs the
-original forward and counts a fallback with its reason. Outside training steps (validation, test, predict) it is a
-plain call of the original forward. :meth:`PatchedForwards.restore` gives every module its forward back.
+In a training step a target's call is recorded (warmup steps), replays its region's graph, or runs eagerly as a
+counted fallback with its reason. Outside training steps it is a plain call of the original forward.
 """
 
 from __future__ import annotations
@@ -39,8 +37,8 @@ from lightning_cudagraph.health import CUDAGraphReport
 class TargetForward(PatchedForward):
     """Installed as a target module's ``forward``; hands every call to the router.
 
-    ``original`` is the module's own forward; ``run`` is what training steps run and capture: the same, or its
-    compiled stand-in with ``compile=``.
+    ``original`` is the module's own forward; ``run`` is what training steps run and capture (compiled with
+    ``compile=``).
     """
 
     def __init__(
@@ -138,11 +136,10 @@ class CallRouter:
     """Routes each target call of a training step by its :class:`StepRoute` (stage 6, and confirmation's checks).
 
     Args:
-        report: Replays and fallbacks are counted here (written, never read back).
-        mismatch: Answers a call its region's graph was not captured for (region name, what differs): the
-            fallback's reason, or it raises (``on_shape_change="error"``); see
-            :meth:`~lightning_cudagraph._trust.shape_change.ShapeDecision.region_mismatch`.
-        state_problem: Says why the parameters no longer match the graphs (trainability, storage), or ``None``.
+        report: Replays and fallbacks are counted here.
+        mismatch: Given (region name, what differs) of a call its graph was not captured for, the fallback's reason;
+            it raises under ``on_shape_change="error"``.
+        state_problem: Says why the parameters no longer match the graphs, or ``None``.
         preserved: Restores random-number and buffer state around a confirmation's graphed forward.
         observer: Watches the Python of each recorded call.
     """
@@ -268,8 +265,7 @@ def _mismatch(
 ) -> str | None:
     """Why this call cannot replay the region's graph, or ``None``.
 
-    The common calls (plain containers of tensors and constants, keywords included) compare a cheap key; the full
-    signature is built only for other calls, and to say what changed.
+    Common calls compare a cheap key; the full signature is built only for other calls, and to say what changed.
     """
     signature = region.signature
     if signature.key is not None and module.training == signature.training:

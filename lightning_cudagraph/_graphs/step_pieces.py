@@ -1,8 +1,4 @@
-"""The pieces of a whole step: the plan of the next step, a captured step (static batch, output, logs), its flags.
-
-:meth:`~lightning_cudagraph._graphs.step_planner.StepPlanner.plan` makes a :data:`StepPlan` before each training
-step; :meth:`~lightning_cudagraph._graphs.whole_step.WholeStepDriver.run` carries it out.
-"""
+"""The pieces of a whole step: the plan of the next step, a captured step (static batch, output, logs), its flags."""
 
 from __future__ import annotations
 
@@ -24,13 +20,11 @@ class WholeStep:
     """One captured training step for one batch signature.
 
     Attributes:
-        static_batch: The batch the graph reads (the package's own tensors, never the user's); each step's batch is
-            copied into it.
-        graph: The captured step, once captured.
+        static_batch: The batch the graph reads (the package's own tensors); each step's batch is copied into it.
         output: ``training_step`` 's output as captured (static tensors the replays rewrite).
         logs: The ``self.log`` calls ``training_step`` made while captured, re-issued after each replay.
         confirm_left: Replays still to be checked before this shape's graph is trusted.
-        shadowed: Whether a shadow step (the graph against the eager step from the same state) has checked it.
+        shadowed: Whether a shadow step has checked it.
         grads: The gradient tensors the graph writes (a first micro-batch) or adds into (a later one), per parameter.
     """
 
@@ -62,11 +56,7 @@ class WholeStep:
 
 @dataclass(eq=False)
 class StepWindow:
-    """The captured steps of one batch shape, one per position in the accumulation window.
-
-    Attributes:
-        parts: The captured step of each position seen so far.
-    """
+    """The captured steps of one batch shape, one per position in the accumulation window seen so far."""
 
     parts: dict[Position, WholeStep] = field(default_factory=dict)
 

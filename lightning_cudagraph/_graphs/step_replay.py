@@ -1,10 +1,4 @@
-"""Replays of a captured whole step, and the checks of them: shadow steps against eager, the non-finite counter.
-
-A replay refreshes the optimizers' learning rates, runs the graph, and hands Lightning a copy of the step's output
-with the captured ``self.log`` calls re-issued. A shadow step (:mod:`lightning_cudagraph._trust.shadow`) runs on
-every capture and every ``audit_every_n_steps`` replayed steps. The graph counts non-finite losses on the device;
-:meth:`StepReplays.check_finite` reads the count once per log interval.
-"""
+"""Replays of a captured whole step, and the checks of them: shadow steps against eager, the non-finite counter."""
 
 from __future__ import annotations
 
@@ -29,19 +23,7 @@ from lightning_cudagraph._trust.stages import StageMachine
 
 
 class StepReplays:
-    """Replays captured whole steps, and audits them with shadow steps.
-
-    Args:
-        machine: Rolls back when a shadow step disagrees.
-        optimizers: Refreshed before each replay.
-        flags: The captured step's non-finite flags (the step number is written before each replay).
-        audit_every: ``audit_every_n_steps`` (``None`` or 0: no audit after confirmation); audits start dense
-            (:class:`~lightning_cudagraph._trust.cadence.AuditCadence`).
-
-    Example:
-        >>> replays = StepReplays(machine, optimizers, flags, audit_every=None)  # doctest: +SKIP
-        >>> output = replays.replay(whole, trainer, closure, module)  # doctest: +SKIP
-    """
+    """Replays captured whole steps, and audits them with shadow steps (``audit_every``: ``audit_every_n_steps``)."""
 
     def __init__(
         self, machine: StageMachine, optimizers: StepOptimizers, flags: NonFiniteFlags, audit_every: int | None
@@ -54,17 +36,12 @@ class StepReplays:
         #: The first step the next non-finite check covers.
         self.checked_until = 0
 
-    def audit_due(self) -> bool:
-        """Count a replayed step; whether it is the one to check with a shadow step."""
-        return self.audits.due()
-
     def replay(
         self, whole: WholeStep, trainer: pl.Trainer, closure: Any, module: Any, reissue: bool = True, steps: bool = True
     ) -> Any:
         """Replay ``whole`` on its static batch; with ``reissue``, hand Lightning the output and the logs.
 
-        ``steps``: whether the graph holds the optimizer step (a micro-batch that only accumulates has none, so the
-        learning rates need no refresh).
+        ``steps``: whether the graph holds the optimizer step (a micro-batch that only accumulates has none).
         """
         if steps:
             self.optimizers.refresh()
@@ -108,10 +85,9 @@ class StepReplays:
     ) -> Any:
         """Check the graph against the eager step from the same state on the same batch; train on the eager one.
 
-        The graph replays first, from ``state`` (a copy of everything the step changes); its loss, parameters and
-        (for a micro-batch that only accumulates, ``place``) gradients are kept, the copy is put back, and the step
-        runs eagerly: that is the step training keeps, so a graph that fails the check never touched the weights.
-        One host sync, for the decision.
+        The graph replays from ``state`` (a copy of everything the step changes); its loss, parameters and (for a
+        ``place`` that only accumulates) gradients are kept, the copy is put back and the step runs eagerly, so a
+        graph that fails the check never touched the weights.
         """
         whole.shadowed = True
         self.audits.checked()

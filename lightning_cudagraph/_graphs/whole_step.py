@@ -1,10 +1,9 @@
 """The whole-step driver: ``training_step``, backward, clipping and the optimizer step as one graph.
 
-The strategy hands it the batch (``batch_to_device``: its :class:`~lightning_cudagraph._graphs.step_planner.
-StepPlanner` makes a :data:`~lightning_cudagraph._graphs.step_pieces.StepPlan`), the output of ``training_step``
-(captured output and in-graph non-finite check), and the step itself (``optimizer_step``: :meth:`WholeStepDriver.run`
-carries the plan out). A replayed step rebuilds Lightning's closure result and re-issues the captured ``self.log``
-calls, so the loop, loggers, checkpointing and early stopping behave as in eager training.
+The strategy hands it the batch (``batch_to_device``: a plan is made), the output of ``training_step`` and the step
+itself (``optimizer_step``: the plan is carried out). A replayed step rebuilds Lightning's closure result and
+re-issues the captured ``self.log`` calls, so the loop, loggers, checkpointing and early stopping behave as in eager
+training.
 """
 
 from __future__ import annotations
@@ -50,13 +49,9 @@ from lightning_cudagraph.health import Stage
 class WholeStepDriver(Driver):
     """Captures and replays whole training steps, one per batch signature and place in the accumulation window.
 
-    With gradient accumulation, each place of a micro-batch in its window (:mod:`~lightning_cudagraph._graphs.
-    accumulation`) is a graph of its own: the first zeroes the gradients, the last steps the optimizer. A window's
-    later places are captured once its first is, and add into the gradients the first one's graph writes.
-
-    Args:
-        config, component, backend, machine, settings: See :class:`~lightning_cudagraph._graphs.base.Driver`.
-        compiled: ``compile=``: the step's modules to compile in place at :meth:`start`, on during training steps.
+    With gradient accumulation, the first place zeroes the gradients and the last steps the optimizer; later places
+    are captured once the first is, and add into the gradients its graph writes. ``compiled`` (``compile=``) holds
+    the step's modules, compiled in place at :meth:`start` and on during training steps only.
     """
 
     def __init__(
@@ -148,7 +143,7 @@ class WholeStepDriver(Driver):
             return run_eagerly(run_step)
         if plan.position.place.zeroes and plan.whole.grads is not None:  # an eager step moved them: point them back
             self.binding.bind(plan.whole.grads)
-        if self.replays.audit_due():
+        if self.replays.audits.due():
             state = self._state_before_step(trainer, module)
             return self._shadow(plan, trainer, closure, run_step, module, state)
         return self.replays.replay(plan.whole, trainer, closure, module, steps=plan.position.place.steps)

@@ -1,9 +1,7 @@
 """When a trusted graph is checked against eager again: often right after capture, then every ``audit_every_n_steps``.
 
-What a graph froze at capture shows first in the steps right after it (a value read from a counter, a branch taken
-once), so the audits of a graph start dense: after 2 replayed steps, then 4, 8, ... until the interval reaches
-``audit_every_n_steps``, where it stays. A check that runs for another reason (the capture step's own) restarts the
-count. Every kind of graph (the whole step, regions, the optimizer update) keeps its audits with one of these.
+What a graph froze at capture (a value read from a counter, a branch taken once) shows first in the steps right
+after it, so the interval starts at 2 replayed steps and doubles up to ``audit_every_n_steps``.
 """
 
 from __future__ import annotations
@@ -15,10 +13,7 @@ FIRST_INTERVAL = 2
 
 
 class AuditCadence:
-    """Counts replayed steps and says when the next audit is due.
-
-    Args:
-        every: ``audit_every_n_steps``: the longest interval (``None`` or 0: no audits).
+    """Counts replayed steps and says when the next audit is due (``every``: the longest interval; ``None``/0: never).
 
     Example:
         >>> cadence = AuditCadence(every=16)

@@ -1,7 +1,6 @@
 """What confirmation and the steady state check: parity, parameter identity, trainability, metric updates.
 
-Each check reads host-side facts (data pointers, ``requires_grad`` flags, update counters) or builds a device
-scalar; none synchronizes with the device.
+Each check reads host-side facts or builds a device scalar; none synchronizes with the device.
 """
 
 from __future__ import annotations
@@ -51,13 +50,9 @@ def relative_error(reference: Sequence[Tensor], other: Sequence[Tensor]) -> Tens
 class StateWatch:
     """What the graphs were captured with: the parameters, buffers and modules they hold, as they were then.
 
-    It remembers which parameters trained, where every parameter and buffer lives, and the modes, hooks and
-    attributes of the modules inside the graphs.
-
-    Checked before each step that replays (host-side flags, data pointers and dictionary sizes, no device sync): a
-    parameter whose ``requires_grad`` changed would get no gradient from the graphs, a parameter or buffer rebound to
-    new storage (``p.data = ...``, a ``.to()``, a weight swap) would leave the graphs reading the old one, and a module
-    switched to eval mode, given a hook or a forward of its own (a callback mid-fit) would be replayed as captured.
+    Checked before each replayed step: a parameter whose ``requires_grad`` changed would get no gradient from the
+    graphs, a tensor rebound to new storage (``p.data = ...``, a ``.to()``) would leave them reading the old one, and
+    a module switched to eval mode, given a hook or a forward of its own would be replayed as captured.
 
     Example:
         >>> import torch
@@ -89,8 +84,8 @@ class StateWatch:
     ) -> None:
         """Remember ``requires_grad`` and the storage of these tensors now, and the modes and hooks of ``modules``.
 
-        ``modules`` are ``(name, module, region)``: the mode of a module inside a region is watched against the
-        region's own (a region switched to eval as a whole is another call signature, which falls back by itself).
+        ``modules`` are ``(name, module, region)``: a module inside a region is watched against the region's mode (a
+        region switched as a whole is another call signature, which falls back by itself).
         """
         self._watched = [(name, t, t.requires_grad, t.data_ptr()) for name, t in named_tensors]
         self._tensors = [t for _, t, _, _ in self._watched]
@@ -130,7 +125,6 @@ class StateWatch:
         for (name, module, region), then, region_then in zip(
             self._modules, self._modes, self._region_modes, strict=True
         ):
-            # Inside a region, the mode counts against the region's own (one switched as a whole falls back by itself).
             moved = (
                 module.training != then
                 if region is None
@@ -170,8 +164,7 @@ def _hook_dicts(module: torch.nn.Module) -> list[dict[Any, Any]]:
 class MetricUpdates:
     """Update counts of the torchmetrics ``Metric`` s inside some modules, to find one updated inside a capture.
 
-    A metric's ``update`` runs Python (counters, list states, new state tensors) that a graph does not replay, so a
-    metric updated inside a captured region or step would silently stop counting.
+    A graph does not replay ``update``'s Python, so a metric updated inside a capture would silently stop counting.
     """
 
     def __init__(self, named_modules: Iterable[tuple[str, torch.nn.Module]]) -> None:

@@ -1,9 +1,7 @@
 """The one failure rule: what a failed capture or check does under ``on_failure``.
 
-Under ``on_failure="eager"`` a failure is loud and training goes on: the failing part (a region, the optimizer
-update, an evaluation graph) runs eagerly, or the fit rolls back to eager training. Under ``on_failure="raise"`` it
-raises :class:`GraphFailure`. One exception: a part that fails under ``scope="auto"`` is the ladder's to handle, so
-it goes eager there as it would under ``"eager"``.
+Under ``"eager"`` a failure warns and the failing part (or the fit) runs eagerly; under ``"raise"`` it raises
+:class:`GraphFailure`, except a part that fails under ``scope="auto"``, which is the ladder's to handle.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ __all__ = ["FailurePolicy", "GraphFailure"]
 class GraphFailure(RuntimeError):
     """A capture or check of a graph failed and the options asked to stop (``on_failure="raise"``).
 
-    Its message names the component and the reason, as the warning of ``on_failure="eager"`` would. The graphs are
-    released as on any early exit of a fit.
+    The graphs are released as on any early exit of a fit.
 
     Example:
         >>> import lightning_cudagraph
@@ -27,12 +24,7 @@ class GraphFailure(RuntimeError):
 
 
 class FailurePolicy:
-    """What a failure does, for every kind of graph.
-
-    Args:
-        component: Named in messages.
-        on_failure: ``"eager"`` or ``"raise"``.
-        auto_scope: ``scope="auto"``: a failed part is the ladder's to handle, never raised.
+    """What a failure does, for every kind of graph (``auto_scope``: a failed part is the ladder's, never raised).
 
     Example:
         >>> policy = FailurePolicy("CUDAGraphCallback", "raise")

@@ -1,9 +1,7 @@
 """The stage machine of the staged rollout: where a fit is, the transitions, and how graphs are given up.
 
-It owns the stage and the reasons behind it; the report is written from it, never read back. A decision that
-needs a device value (were the losses of the warmup steps finite? the confirmation losses?) takes exactly one host
-sync, when the decision is due: the losses of the steps before are folded into one device flag by
-:class:`LossWatch`.
+The report is written from it, never read back. A decision on the losses takes one host sync when it is due: the
+steps before fold theirs into one device flag (:class:`LossWatch`).
 """
 
 from __future__ import annotations
@@ -50,17 +48,10 @@ class LossWatch:
 class StageMachine:
     """Stages of one fit and their transitions (see :class:`~lightning_cudagraph.Stage`).
 
-    ``WARMUP`` (preflight, then eager stabilization until the first capture) -> ``CONFIRMING`` (the first captured
-    shape's replays, checked) -> ``REPLAYING``; from any of them to ``DISABLED``, by :meth:`disable` (graphs were
-    never right for this fit) or :meth:`rollback` (a check failed: counted, and raised instead under
-    ``on_failure="raise"``). Both release everything through the ``release`` callable first. Shapes captured later
-    are confirmed by their driver while the fit stays ``REPLAYING``.
-
-    Args:
-        report: Written on every transition (stage, reason, rollbacks).
-        component: Named in messages.
-        policy: What a failed check does (:class:`~lightning_cudagraph._trust.failure.FailurePolicy`).
-        release: Frees every graph and restores everything patched; called when graphs are given up.
+    ``WARMUP`` -> ``CONFIRMING`` (the first captured shape's replays, checked) -> ``REPLAYING``; from any of them to
+    ``DISABLED`` by :meth:`disable` (graphs are not for this fit) or :meth:`rollback` (a check failed), both after
+    ``release`` frees every graph and restores everything patched. Shapes captured later are confirmed by their
+    driver while the fit stays ``REPLAYING``.
 
     Example:
         >>> from lightning_cudagraph.health import CUDAGraphReport

@@ -1,10 +1,8 @@
 """How far a graph may be from eager: one table for every check, by what is compared and the fit's precision.
 
-A forward (a region's, an evaluation step's) is compared output for output; a training step (the whole step, the
-optimizer update) by its parameter update and loss. Run-to-run noise of the same kernels is orders of magnitude below
-each figure, while a wrong batch, a frozen value or stale storage moves a result by about its own size. Reduced
-precision (autocast, ``bf16-true``) rounds more, compiled kernels reorder sums, and FP8 rounds most. ``parity_tol``,
-when given, replaces the forward figure.
+Run-to-run noise of the same kernels is orders of magnitude below each figure, while a wrong batch, a frozen value
+or stale storage moves a result by about its own size. Reduced precision rounds more, compiled kernels reorder sums,
+and FP8 rounds most.
 """
 
 from __future__ import annotations
