@@ -557,8 +557,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_options/validation.py",
-        '    _check_int(component, "confirm_steps", config.confirm_steps, 1, "pass at least 1")',
-        '    _check_int(component, "confirm_steps", config.confirm_steps, 0, "pass at least 1")',
+        '    _check_int(config.component, "confirm_steps", config.confirm_steps, 1, "pass at least 1")',
+        '    _check_int(config.component, "confirm_steps", config.confirm_steps, 0, "pass at least 1")',
         "confirm_steps=0 accepted: graphs trusted without one checked step",
         "tests/test_config.py::test_invalid_option_raises_readable_error[confirm-steps-zero]",
         "tests/test_config.py",
@@ -775,9 +775,9 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_rollout/sharding.py",
-        "    if trainer.accumulate_grad_batches > 1:\n        raise config_error(\n            component,\n"
+        "    if trainer.accumulate_grad_batches > 1:\n        raise config_error(\n            config.component,\n"
         '            "Trainer(accumulate_grad_batches=...)",',
-        "    if trainer.accumulate_grad_batches > 2:\n        raise config_error(\n            component,\n"
+        "    if trainer.accumulate_grad_batches > 2:\n        raise config_error(\n            config.component,\n"
         '            "Trainer(accumulate_grad_batches=...)",',
         "two micro-batches under FSDP2 are captured with a reduce-scatter the first one must skip",
         R + "test_gradient_accumulation_is_refused_under_fsdp2_and_the_fix_trains",
