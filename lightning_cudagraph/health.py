@@ -2,7 +2,8 @@
 
 Counters are plain Python integers bumped on the host. The report is written by the stage machine, the drivers
 and the level runner, and read by the user (``callback.report``) and the logged metrics
-(:mod:`lightning_cudagraph._rollout.reporting`); nothing reads it back to decide what to do.
+(:mod:`lightning_cudagraph._rollout.reporting`). Each part decides from its own state and writes its figures here;
+no part decides from another part's figures.
 """
 
 from __future__ import annotations

@@ -58,10 +58,11 @@ class OptimizerGraph:
         self._params: list[Tensor] = []
         self._has_grad: list[bool] = []
         self._static_grads: list[Tensor] = []
-        self._captures_seen = -1  # the report's region captures when the graph was captured
         self._confirm_left = 0
         self._audits = AuditCadence(config.audit_every_n_steps)
         self.off_reason: str | None = None
+        #: Where the graph is (``waiting``, ``confirming``, ``replaying``, or why it is off); the report mirrors it.
+        self.state: str | None = None
 
     # ------------------------------------------------------------------ the step (the strategy's optimizer_step)
     def run(
@@ -75,8 +76,6 @@ class OptimizerGraph:
         self.optimizers.prepare(optimizer)  # from the first step: eager and graphed updates share their arithmetic
         if not graphs_live:
             return run_eagerly(run_step)
-        if self._graph is not None and self.report.captures != self._captures_seen:
-            self.level_changed()  # a capture since reuses the pool: the update is captured again after it
         module = trainer.lightning_module
         eager_update = eager_update_of(optimizer)
 
@@ -167,11 +166,10 @@ class OptimizerGraph:
             self._turn_off(reason)
             eager_update()
             return
-        self._captures_seen = self.report.captures
         self.optimizers.captured()
         self._confirm_left = self.config.confirm_steps
         self._audits.checked()
-        self.report.optimizer_graph = CONFIRMING
+        self._set_state(CONFIRMING)
         rank_zero_info(f"{self.component}: captured the optimizer step ({len(grads)} parameters) in {elapsed:.1f} ms")
         self._shadow(module, eager_update, state)
 
@@ -208,8 +206,8 @@ class OptimizerGraph:
                 f" same gradients {by} (allowed {OPTIMIZER_TOL:g}); the eager update was kept. A graph that reads a"
                 " stale gradient buffer or a frozen setting does this"
             )
-        elif self._confirm_left <= 0 and self.report.optimizer_graph == CONFIRMING:
-            self.report.optimizer_graph = REPLAYING
+        elif self._confirm_left <= 0 and self.state == CONFIRMING:
+            self._set_state(REPLAYING)
 
     def _grads_differ(self, module: Any, grads: list[torch.Tensor | None]) -> str | None:
         """A fallback reason when the parameters with a gradient are not those of the capture (host work only)."""
@@ -232,17 +230,19 @@ class OptimizerGraph:
             return
         self._optimizer, first = optimizer, self._optimizer is None
         if not self.config.optimizer_graph:
-            self.off_reason = self.report.optimizer_graph = OPTION_OFF  # the user's choice: nothing to warn about
+            self.off_reason = OPTION_OFF  # the user's choice: nothing to warn about
+            self._set_state(OPTION_OFF)
             return
         problem = unfit_reason(trainer, optimizer) if first else "the fit steps more than one optimizer"
         if problem is not None:
             self._turn_off(f"optimizer_not_graphed: {problem}")
             self.optimizers.restore()
-        elif self.report.optimizer_graph is None:
-            self.report.optimizer_graph = WAITING
+        elif self.state is None:
+            self._set_state(WAITING)
 
     def _turn_off(self, reason: str) -> None:
-        self.off_reason = self.report.optimizer_graph = reason
+        self.off_reason = reason
+        self._set_state(reason)
         self._reset_graph()
         if not reason.startswith("optimizer_not_graphed: manual"):
             rank_zero_warn(f"{self.component}: the optimizer step stays eager, the regions keep their graphs: {reason}")
@@ -254,11 +254,14 @@ class OptimizerGraph:
         if graph is not None:
             graph.reset()
 
-    def level_changed(self) -> None:
-        """Another scoped level is captured in place: its pool is new, and the update is captured again after it."""
+    def _set_state(self, state: str) -> None:
+        self.state = self.report.optimizer_graph = state
+
+    def regions_captured(self) -> None:
+        """Regions were captured (another shape, or another level in a new pool): the update is captured after them."""
         self._reset_graph()
-        if self.off_reason is None and self.report.optimizer_graph is not None:
-            self.report.optimizer_graph = WAITING
+        if self.off_reason is None and self.state is not None:
+            self._set_state(WAITING)
 
     def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
         """Save optimizers as the user built them (float learning rates, their own flags)."""

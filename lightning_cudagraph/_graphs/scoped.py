@@ -131,7 +131,10 @@ class ScopedDriver(Driver):
             if not self.captured_any and self.take_reference_step():  # eager, nothing recorded: the eager reference
                 self._reference_step()
                 return None
-            return self.capture.capture_shape(batch, outcome, self.capture_method)
+            graph_set = self.capture.capture_shape(batch, outcome, self.capture_method)
+            if graph_set is not None:  # captured into the pool the update's graph shares
+                self.optimizer_graph.regions_captured()
+            return graph_set
         return None
 
     def _reference_step(self) -> None:
@@ -205,7 +208,7 @@ class ScopedDriver(Driver):
         for graph_set in self.graph_sets.clear():
             graph_set.reset()
         self.report.graphs = 0
-        self.optimizer_graph.level_changed()
+        self.optimizer_graph.regions_captured()
         self.regions.set_active(names)
         return True
 
