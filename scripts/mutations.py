@@ -520,8 +520,8 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the ladder, health, config, the rest
     m(
         "_rollout/ladder.py",
-        "if math.isnan(reference) or step_ms < reference * (1 - self.margin):",
-        "if math.isnan(reference) or step_ms < reference * (1 + self.margin):",
+        "if math.isnan(bar) or step_ms < bar:",
+        "if math.isnan(bar) or step_ms < bar / (1 - MARGIN) * (1 + MARGIN):",
         "scope='auto' keeps a level that is slower than the best one",
         "lightning_cudagraph/_rollout/ladder.py",
         "tests/test_ladder.py",
@@ -775,9 +775,9 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_rollout/sharding.py",
-        "    if trainer.accumulate_grad_batches > 1:\n        raise config_error(\n            component,\n"
+        "    if trainer.accumulate_grad_batches > 1:\n        raise config_error(\n            config.component,\n"
         '            "Trainer(accumulate_grad_batches=...)",',
-        "    if trainer.accumulate_grad_batches > 2:\n        raise config_error(\n            component,\n"
+        "    if trainer.accumulate_grad_batches > 2:\n        raise config_error(\n            config.component,\n"
         '            "Trainer(accumulate_grad_batches=...)",',
         "two micro-batches under FSDP2 are captured with a reduce-scatter the first one must skip",
         R + "test_gradient_accumulation_is_refused_under_fsdp2_and_the_fix_trains",
