@@ -520,8 +520,8 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the ladder, health, config, the rest
     m(
         "_rollout/ladder.py",
-        "if math.isnan(reference) or step_ms < reference * (1 - self.margin):",
-        "if math.isnan(reference) or step_ms < reference * (1 + self.margin):",
+        "if math.isnan(bar) or step_ms < bar:",
+        "if math.isnan(bar) or step_ms < bar / (1 - MARGIN) * (1 + MARGIN):",
         "scope='auto' keeps a level that is slower than the best one",
         "lightning_cudagraph/_rollout/ladder.py",
         "tests/test_ladder.py",

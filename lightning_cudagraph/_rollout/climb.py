@@ -1,13 +1,8 @@
 """The level runner: one runner drives every fit, a fixed scope's one level and ``scope="auto"`` 's ladder alike.
 
-:class:`~lightning_cudagraph._rollout.ladder.Ladder` decides; :class:`Climb` carries the decisions out between training
-steps, through the driver interface only. Step times come from the backend's timer (CUDA events read once per log
-interval or decision, no host sync per step). The warmup steps give the eager baseline, or under ``scope="auto"`` the
-eager reference steps (:mod:`~lightning_cudagraph._rollout.eager_reference`); each level is then timed over its first
-steps on graphs, and the level settled on is checked once more against eager training in the steady state. Every
-move happens at the end of a training batch: a scoped level captures at once from the recorded samples; the whole
-step runs an eager step first (NCCL's under DDP); a failure goes where :mod:`~lightning_cudagraph._rollout.
-level_failure` sends it.
+:class:`~lightning_cudagraph._rollout.ladder.Ladder` decides; :class:`Climb` carries the decisions out at the end of a
+training batch, through the driver interface only: a scoped level captures at once from the recorded samples, the
+whole step runs an eager step first (NCCL's under DDP).
 """
 
 from __future__ import annotations
@@ -36,16 +31,7 @@ __all__ = ["Climb", "RunningFit"]
 
 @dataclass
 class RunningFit:
-    """What the runner works with once training can start (from :meth:`Climb.attach` on).
-
-    Attributes:
-        trainer: The Trainer of the fit.
-        backend: Gives the timers and a new pool for each level.
-        machine: The stage machine; a level's failure is offered to the runner before it becomes a rollback.
-        make_driver: Builds the driver of a level; released with the runner.
-        steps: Every training step's time.
-        level: The level's steps on graphs.
-    """
+    """What the runner works with once training can start (from :meth:`Climb.attach` on)."""
 
     trainer: pl.Trainer
     backend: CaptureBackend
@@ -63,17 +49,9 @@ class Climb:
         report: The ladder's rows, the level and the timings are mirrored here.
         component: Named in messages.
         settings: A fixed scope's driver settings (:meth:`LevelSettings.of`); a walked ladder derives its own.
-
-    Example:
-        >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> plan = Plan((Level("full_iteration"),), climbs=False)
-        >>> climb = Climb(plan, CUDAGraphReport(), "doc", LevelSettings(3, 3, keep_samples=False, measure_pool=True))
-        >>> climb.ladder.settled, climb.ladder.current.name, climb.attached  # a driver comes with attach
-        (True, 'full_iteration', False)
     """
 
     def __init__(self, plan: Plan, report: CUDAGraphReport, component: str, settings: LevelSettings) -> None:
-        #: The levels of the fit and what their drivers patch.
         self.plan = plan
         self.ladder = Ladder(plan.levels, report, climbs=plan.climbs)
         self.report, self.component, self.settings = report, component, settings
@@ -81,7 +59,6 @@ class Climb:
         #: The driver of the level training is on: an idle one (every hook does nothing) until :meth:`attach`.
         self.driver: Driver = IDLE
         self._pending: Level | None = None  # where a failure sent the ladder (its driver is released)
-        #: The eager reference steps of a walked ladder (before the first capture, and in the steady-state check).
         self.reference = EagerReference()
 
     @property
@@ -124,7 +101,7 @@ class Climb:
             return
         self.reference.batch_started(fit.machine.stage)
         self.driver.begin_batch(trainer, batch)
-        fit.steps.start()
+        fit.steps.timer.start()
         timing = (not self.ladder.settled or self.reference.checking) and self._pending is None
         fit.level.step_started(timing and fit.machine.stage == Stage.REPLAYING and not self.driver.in_reference_step)
 
@@ -133,7 +110,7 @@ class Climb:
         fit = self._running
         if fit is None:
             return
-        fit.steps.stop()
+        fit.steps.timer.stop()
         self.driver.end_step(outputs)
         if fit.machine.stage == Stage.WARMUP:
             fit.machine.warmup_losses.observe(outputs)
@@ -141,8 +118,7 @@ class Climb:
         on_graphs = fit.machine.stage in (Stage.CONFIRMING, Stage.REPLAYING) and not self.driver.in_reference_step
         if not self.ladder.settled:
             self.ladder.row.steps += 1
-            fit.level.step_ended(on_graphs=on_graphs)
-        elif self.reference.checking:
+        if not self.ladder.settled or self.reference.checking:
             fit.level.step_ended(on_graphs=on_graphs)
 
     def read_step_times(self) -> None:
@@ -173,7 +149,7 @@ class Climb:
 
     # ------------------------------------------------------------------ decisions
     def _time_or_decide(self) -> None:
-        """Decide on the steps timed so far (one host sync), or time a close call over a few more steps."""
+        """Decide on the steps timed so far (one host sync), or time a close or far call over more steps."""
         fit = self._fit
         run = fit.level
         same = self.ladder.same_regions(self.driver.captured_regions()) if not run.times else None

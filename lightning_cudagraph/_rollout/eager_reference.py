@@ -1,11 +1,8 @@
 """The eager reference of ``scope="auto"``: steady eager steps that record nothing, timed as a level's steps are.
 
-Right before the first capture, :data:`~lightning_cudagraph._rollout.ladder.REFERENCE_STEPS` of them give the eager
-baseline (none in a fit too short for them). Once the ladder settles, the settled level is timed once more with one
-step in :data:`~lightning_cudagraph._rollout.ladder.CHECK_EAGER_EVERY` run eagerly between its replays: the
-steady-state check, both measured in the same stretch of the fit. The driver runs those steps where it could run
-one, when :meth:`EagerReference.take_step` (its ``Driver.take_reference_step``) says so; :class:`EagerReference` keeps
-how many are left, counted down as they run, and times them.
+They give the eager baseline right before the first capture, and run between the settled level's replays in its
+steady-state check. The driver runs one where it could when :meth:`EagerReference.take_step` (its
+``Driver.take_reference_step``) says so.
 """
 
 from __future__ import annotations
@@ -21,15 +18,7 @@ __all__ = ["EagerReference"]
 
 
 class EagerReference:
-    """The eager reference steps of one walked ladder, and their timer.
-
-    Example:
-        >>> reference = EagerReference()
-        >>> reference.checking, reference.baseline()  # a fixed scope times no reference steps
-        (False, None)
-        >>> reference.take_step()  # and runs none
-        False
-    """
+    """The eager reference steps of one walked ladder (none for a fixed scope): how many are left, and their timer."""
 
     def __init__(self) -> None:
         self._timer: StepTimer | None = None  # times the reference steps while there are any to time

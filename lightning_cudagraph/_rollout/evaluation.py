@@ -1,30 +1,10 @@
 """Evaluation graphs: validation, test and predict steps on forward-only CUDA graphs, on by default.
 
-Whenever graphs are on (``impl="local"``, a CUDA device, ``eval_graphs=True``), each evaluation loop picks one way:
-
-- **The whole evaluation step** (through :class:`~lightning_cudagraph.CUDAGraphStrategy`, at the whole-step level:
-  ``"cudagraph_full"``, or ``"cudagraph"`` once ``scope="auto"`` settled there; and in ``trainer.validate()``,
-  ``test()`` and ``predict()`` outside a fit): ``validation_step``, ``test_step`` or ``predict_step`` as one
-  forward-only graph per batch shape (:mod:`lightning_cudagraph._graphs.eval_step`).
-- **The trained level's regions** (through the callback alone, once the fit captured a scoped level): each region's
-  forward gets a graph of its own under the loop's grad mode (:mod:`lightning_cudagraph._graphs.eval_regions`).
-- **Eager**, with the reason logged: the sanity check (the natural warmup, never logged), graphs off or rolled back,
-  ``scope="auto"`` still climbing, Transformer Engine, a torchmetrics metric updated inside the step, or an
-  evaluation loop outside a fit through the callback alone (there is no trained level to graph).
-
-Every graph is checked against eager on its capture batch before it is trusted. The graphs share the training
-graphs' memory pool during a fit: evaluation replays run between training steps on the same stream, never between a
-region's forward and backward, and every buffer a graph reads across replays stays referenced. The evaluation
-graphs of a fit live beside its training graphs (an interleaved ``val_check_interval`` keeps both) and are released
-with them at fit end and on every exit path; a loop outside a fit releases its own at its end.
-
-Example:
-    >>> import lightning.pytorch as pl
-    >>> from lightning_cudagraph import CUDAGraphStrategy
-    >>> trainer = pl.Trainer(strategy=CUDAGraphStrategy(scope=["full_iteration"]), logger=False)  # doctest: +SKIP
-    >>> trainer.validate(model, dataloader)  # doctest: +SKIP
-    >>> trainer.strategy.rollout.report.evaluation.mode  # doctest: +SKIP
-    'whole_step'
+Each evaluation loop runs one way: the whole evaluation step as one graph per batch shape (through the package's
+strategy, at the whole-step level or outside a fit), the trained level's regions (the callback's scoped levels), or
+eagerly with the reason. Every graph is checked against eager on its capture batch before it is trusted. During a fit
+they share the training graphs' pool: their replays run between training steps on the same stream, never between a
+region's forward and backward, and every buffer a graph reads across replays stays referenced.
 """
 
 from __future__ import annotations
@@ -51,7 +31,7 @@ from lightning_cudagraph.health import EvaluationRecord
 __all__ = ["EVAL_HOOKS", "EvaluationGraphs", "TrainedLevel"]
 
 #: The step hook of each evaluation stage.
-EVAL_HOOKS = {
+EVAL_HOOKS: dict[RunningStage | None, str] = {
     RunningStage.VALIDATING: "validation_step",
     RunningStage.TESTING: "test_step",
     RunningStage.PREDICTING: "predict_step",
@@ -68,12 +48,7 @@ class TrainedLevel:
         name: The level training runs at (``full_iteration``, ``layer``, ...; for a fixed scope its scope names).
         settled: Whether ``scope="auto"`` settled (always, for a fixed scope).
         allowed: Whether graphs are still in use (not rolled back or off).
-        off_reason: Why graphs are off, when they are.
         regions: The captured regions (qualified name, module) of a scoped level.
-
-    Example:
-        >>> TrainedLevel(name="full_iteration", settled=True, allowed=True).regions
-        ()
     """
 
     name: str | None
@@ -86,16 +61,8 @@ class TrainedLevel:
 class EvaluationGraphs:
     """The evaluation graphs of one Trainer's loops: which way each loop runs, the graphs, their release.
 
-    Args:
-        config: The validated options.
-        component: Named in messages.
-        record: Where the figures go (``report.evaluation``).
-
-    Example:
-        >>> from lightning_cudagraph._options.config import CUDAGraphConfig
-        >>> graphs = EvaluationGraphs(CUDAGraphConfig(), EvaluationRecord())
-        >>> graphs.mode, graphs.graphs  # a loop's start picks the mode (Rollout.evaluation_start)
-        ('eager', 0)
+    The graphs of a fit live beside its training graphs (an interleaved ``val_check_interval`` keeps both); a loop
+    outside a fit releases its own at its end. ``record`` is ``report.evaluation``.
     """
 
     def __init__(self, config: CUDAGraphConfig, record: EvaluationRecord) -> None:
@@ -117,7 +84,7 @@ class EvaluationGraphs:
         self.mode = EAGER
         if trainer.sanity_checking:  # the natural warmup: eager, and nothing to say
             return
-        hook = EVAL_HOOKS.get(trainer.state.stage) if trainer.state.stage is not None else None
+        hook = EVAL_HOOKS.get(trainer.state.stage)
         in_fit = trainer.state.fn == TrainerFn.FITTING
         reason = self._why_eager(hook, backend, level, strategy, in_fit)
         if reason is not None:
@@ -136,7 +103,7 @@ class EvaluationGraphs:
         if not in_fit:
             self._standalone = True
             backend.enter()  # eager warmup and capture on one stream, as in training
-        tolerance = self._tolerance(trainer)
+        tolerance = forward_tolerance(self.config.parity_tol, reduced=not full_precision(trainer.precision))
         limit = self.config.max_graphs or DEFAULT_MAX_GRAPHS
         if in_fit and not (strategy and level.name == FULL_ITERATION):
             if self.regions is None:
@@ -151,12 +118,7 @@ class EvaluationGraphs:
         self.record.reason = self.steps.off if self.mode == EAGER and self.steps is not None else None
 
     def _why_eager(
-        self,
-        hook: str | None,
-        backend: CaptureBackend | None,
-        level: TrainedLevel,
-        strategy: bool,
-        in_fit: bool,
+        self, hook: str | None, backend: CaptureBackend | None, level: TrainedLevel, strategy: bool, in_fit: bool
     ) -> str | None:
         """Why this loop runs eagerly, or ``None`` when it gets graphs."""
         if not self.config.enabled:
@@ -189,9 +151,6 @@ class EvaluationGraphs:
             return "no region is captured yet (the training warmup steps are still running)"
         return None
 
-    def _tolerance(self, trainer: pl.Trainer) -> float:
-        return forward_tolerance(self.config.parity_tol, reduced=not full_precision(trainer.precision))
-
     def loop_end(self) -> None:
         """The loop ended: the regions get their forwards back; a loop outside a fit frees its graphs."""
         if self.regions is not None:
@@ -208,7 +167,7 @@ class EvaluationGraphs:
         """``batch_to_device`` of an evaluation batch: the batch its step should read."""
         if self.mode != WHOLE_STEP or self.steps is None or trainer.sanity_checking:
             return batch
-        hook = EVAL_HOOKS.get(trainer.state.stage) if trainer.state.stage is not None else None
+        hook = EVAL_HOOKS.get(trainer.state.stage)
         if hook is None:
             return batch
         return self.steps.plan(hook, batch)

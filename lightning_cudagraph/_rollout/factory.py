@@ -1,10 +1,7 @@
 """The driver factory of a fit: a driver for each level the ladder reaches, with its settings and compiled stand-in.
 
-The level runner gets the factory when it is built and never asks which driver it holds. The factory also owns
-``compile=`` for the fit: the watch on dynamo's compilations, and the compiled stand-ins it hands each driver
-(:class:`~lightning_cudagraph._backend.compiling.CompiledForwards` to a scoped driver, shared by every scoped level;
-:class:`~lightning_cudagraph._backend.compiling.CompiledModules` to the whole-step driver, which gives its modules
-back when it is released). Drivers never import this module. Before the factory, a fit's driver is :data:`IDLE`.
+The factory owns ``compile=`` for the fit: the watch on dynamo's compilations, one set of compiled forwards shared by
+every scoped level, and compiled modules for each whole-step driver (given back when it is released).
 """
 
 from __future__ import annotations
@@ -33,20 +30,8 @@ __all__ = ["IDLE", "DriverFactory", "IdleDriver"]
 class DriverFactory:
     """Builds the driver of a level, for one fit.
 
-    Args:
-        config: The validated options.
-        component: Named in messages.
-        backend: The capture backend of the fit.
-        machine: The stage machine of the fit.
-        trainer: The Trainer (Transformer Engine's driver reads its precision plugin).
-        plan: What every scoped driver patches (the targets of all levels, and the parts that may replace a layer).
-        observer: Watches the Python of recorded region calls (a scoped driver's warmup steps).
-
-    Example:
-        A fit builds one in ``on_fit_start`` and hands it to the level runner, which calls it per level::
-
-            factory = DriverFactory(config, component, backend, machine, trainer, plan, observer)
-            driver = factory(level, LevelSettings.of(config), before_first_capture=note_eager_baseline)
+    ``trainer`` is read by Transformer Engine's driver (its precision plugin); ``plan`` says what every scoped driver
+    patches; ``observer`` watches the Python of recorded region calls.
     """
 
     def __init__(
@@ -60,7 +45,6 @@ class DriverFactory:
     ) -> None:
         self.config, self.component, self.backend, self.machine = config, config.component, backend, machine
         self._trainer, self._plan, self._observer = trainer, plan, observer
-        #: ``compile=``: the watch on dynamo from now on (``None`` without ``compile=``).
         self.compile_watch: CompileWatch | None = None
         self._forwards: CompiledForwards | None = None
         if config.compile is not None:
@@ -104,7 +88,7 @@ class DriverFactory:
 class IdleDriver(Driver):
     """The driver of a fit that has none (before ``on_fit_start`` built one, or graphs were off before it).
 
-    Every hook does nothing and a step runs eagerly, as without the package. It holds no state, so one serves all fits.
+    Every hook does nothing, as without the package; it holds no state, so one serves all fits.
     """
 
     captured_any = in_reference_step = False

@@ -1,9 +1,7 @@
 """The fit's log interval: the package's metrics through Lightning, and a last interval at the end.
 
-Once per interval the rollout runs the graphs' health check, then the metrics are written; each reads the device
-with one host sync, never one per step. The interval is ``log_every_n_steps`` optimizer steps, plus the step the
-Trainer stops at. With logging off (``log_every_n_steps=0``) nothing is logged, and the reads keep Lightning's default
-interval.
+Once per interval (``log_every_n_steps`` optimizer steps, and the step the Trainer stops at) the health check and the
+metrics each read the device with one host sync, never one per step.
 """
 
 from __future__ import annotations
@@ -22,16 +20,7 @@ READ_EVERY_WITHOUT_LOGGING = 50
 
 
 class FitLog:
-    """Writes ``cudagraph/*`` once per log interval and shows the stage on the progress bar.
-
-    Args:
-        report: What is logged.
-
-    Example:
-        >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> FitLog(CUDAGraphReport()).bar_items()
-        {'graphs': 'warmup'}
-    """
+    """Writes ``report`` as ``cudagraph/*`` once per log interval and shows the stage on the progress bar."""
 
     def __init__(self, report: CUDAGraphReport) -> None:
         self.report = report
@@ -58,8 +47,8 @@ class FitLog:
     def flush(self, trainer: pl.Trainer, climb: Climb) -> None:
         """At ``on_train_end``: take the stage off the bar; log a last interval that Lightning's cadence did not write.
 
-        Lightning refuses ``self.log`` in ``on_train_end``, so those metrics go to the loggers directly (rank zero),
-        at the step Lightning would have used. Nothing is written when the last step was a logging step.
+        Lightning refuses ``self.log`` in ``on_train_end``: those metrics go to the loggers directly, at the step
+        Lightning would have used.
         """
         self._bar.remove()
         step = trainer.global_step
@@ -77,11 +66,10 @@ class FitLog:
 
     @staticmethod
     def _logs_metrics(trainer: pl.Trainer, climb: Climb) -> bool:
-        """Whether ``cudagraph/*`` metrics are logged in this fit.
+        """Whether ``cudagraph/*`` metrics are logged: not with ``log_every_n_steps=0``, nor without a driver.
 
-        Not when graphs were off before training began (``no_cuda``, ``impl_none``, ``no_targets``: no driver was
-        made): every figure would be a zero that means nothing, so a fit without graphs logs what it would log
-        without the package (``callback.report`` and the warning say why). Not with ``log_every_n_steps=0`` either.
+        A fit whose graphs were off before training (``no_cuda``, ``impl_none``, ``no_targets``) would log zeros that
+        mean nothing: it logs what it would without the package.
         """
         return climb.attached and _log_every(trainer) > 0
 

@@ -1,26 +1,11 @@
 """The decisions of the ladder: which level is on, which was best, where to go next. Pure bookkeeping.
 
 A fixed scope is a one-level ladder: settled from the start, untimed, with no rows in the report. Under
-``scope="auto"`` each level is captured, confirmed like any graph, then timed over :data:`MEASURE_STEPS` steps on
-its graphs (CUDA events read once per decision). The figure is the median, which one slow step (a collection, a
-log interval's sync, a stall of a shared host) does not move; a close call is timed longer, and a level far from the
-bar gets a second window, the faster of the two counting (a slow stretch does not last two windows). A level is kept
-as the best so far when it is faster than the best before it (eager training to start with) by :data:`MARGIN`.
-
-The eager reference comes from steady eager steps that record nothing (:data:`REFERENCE_STEPS` right before the
-first capture): warmup steps record every target call, which makes them slower than eager training. Once settled,
-the level's steady-state step time is checked once over :data:`CHECK_STEPS` steps against eager steps run between
-them (the reference where a driver cannot run those); a level that lost goes back to eager training, with the
-reason: the fit never stays on a level slower than eager.
-
-The walk: the narrowest level first (it confirms that graphs work on the model at all), then from the widest level
-down, until one is kept. Every level tried costs a capture and a few steps on slower graphs, and a wider level
-holds the work of the narrower ones in fewer launches: once a level is confirmed faster, the narrower ones left
-are skipped (their rows say so). A level that fails (a shape that never settles, capture, confirmation, memory budget)
-or does not pay hands over to the next level of the walk, the first level included; when no level is left, training
-settles on the best level tried (captured again if needed), or on eager training.
-
-The eager baseline and the best time live here; the report's ``eager_step_ms`` and ladder rows only mirror them.
+``scope="auto"`` the walk tries the narrowest level first (it confirms that graphs work on the model at all), then the
+widest down: every level tried costs a capture and steps on slower graphs, so once a level is confirmed faster, the
+narrower ones (whose work it holds in fewer launches) are skipped. A level that fails or does not pay hands over to
+the next; with none left, training settles on the best level tried, or on eager training. The eager baseline and the
+best time live here; the report only mirrors them.
 """
 
 from __future__ import annotations
@@ -44,21 +29,20 @@ __all__ = [
     "reference_steps",
 ]
 
-#: A wider level is kept only if its median step time is this much below the best so far. Medians of a few replayed
-#: steps on the H200 scatter by 1-4% for scoped graphs; 5% stays above that noise, so a level is never kept for a
-#: gain that is not there, and costs at most 5% against the best level when two levels are that close.
+#: A level is kept only if its median step time is this much below the best so far (eager training to start with):
+#: medians of a few replayed steps on the H200 scatter by 1-4% for scoped graphs.
 MARGIN = 0.05
-#: Steps timed per level once its graphs are confirmed (confirming steps run parity checks): their median decides
-#: when it is clear of the margin by a margin (five: two slow steps do not move it); a closer call is timed over up to
-#: :data:`MAX_MEASURE_STEPS`.
+#: Steps timed per level once its graphs are confirmed (confirming steps run parity checks). Their median decides a
+#: clear call (two slow steps do not move it); a close call is timed over up to :data:`MAX_MEASURE_STEPS`.
 MEASURE_STEPS = 5
 MAX_MEASURE_STEPS = 11
 #: A level whose median is this far from the bar (slower or faster, as a ratio) is timed over a second window.
 FAR = 1.3
-#: Eager steps timed for the reference right before the first capture, recording nothing (``scope="auto"``).
+#: Eager steps timed for the reference right before the first capture: they record nothing, unlike warmup steps,
+#: which record every target call and run slower than eager training.
 REFERENCE_STEPS = 5
-#: Steps on the settled level timed once more against eager training, with one eager step in every
-#: :data:`CHECK_EAGER_EVERY` (the step after an eager one is not timed): both measured in the same stretch of the fit.
+#: Steps on the settled level timed once more against eager training, one eager step in every
+#: :data:`CHECK_EAGER_EVERY` (the step after it is not timed): the fit never stays on a level slower than eager.
 CHECK_STEPS = 6
 CHECK_EAGER_EVERY = 4
 #: Where the ladder settles when no level was faster than eager training by the margin (or none was confirmed).
@@ -68,13 +52,8 @@ EAGER = Level("eager", unavailable="no level was confirmed faster than eager tra
 def reference_steps(batches_left: float, accumulate: int, confirm_steps: int) -> int:
     """The eager reference steps a fit has room for: :data:`REFERENCE_STEPS`, or none in a short fit.
 
-    A fit too short to run the reference steps and still confirm and time its first level spends no steps on them:
-    graphs come first, and the warmup steps give the eager baseline (a median of steps that also record).
-
-    Args:
-        batches_left: Training batches after the warmup steps (``inf`` when the fit's length is not known).
-        accumulate: ``accumulate_grad_batches`` (the level's steps count optimizer steps).
-        confirm_steps: The confirming steps of a first capture.
+    A fit with too few ``batches_left`` after its warmup steps (``inf``: not known) to run them and still confirm and
+    time its first level runs none: the warmup steps give the eager baseline instead.
 
     Example:
         >>> reference_steps(float("inf"), 1, 2), reference_steps(40, 1, 2), reference_steps(8, 1, 2)
@@ -87,11 +66,8 @@ def reference_steps(batches_left: float, accumulate: int, confirm_steps: int) ->
 class Ladder:
     """The levels of one fit and the decisions of their walk.
 
-    Args:
-        levels: From :func:`~lightning_cudagraph._rollout.preflight.plan`, skipped ones included.
-        report: Its ``ladder`` rows, ``level`` and ``eager_step_ms`` mirror this ladder (written, never read).
-        climbs: Whether the levels are walked and timed (``scope="auto"``); ``False``: a fixed scope's one level.
-        margin: See :data:`MARGIN`.
+    ``levels`` include the skipped ones; ``report`` mirrors the ladder (written, never read); ``climbs`` is
+    ``scope="auto"`` (the levels are walked and timed), else a fixed scope's one level.
 
     Example:
         >>> from lightning_cudagraph.health import CUDAGraphReport
@@ -106,10 +82,8 @@ class Ladder:
         ([('attn', 'kept'), ('layer', 'slower')], 10.0)
     """
 
-    def __init__(
-        self, levels: Sequence[Level], report: CUDAGraphReport, climbs: bool = True, margin: float = MARGIN
-    ) -> None:
-        self.report, self.climbs, self.margin = report, climbs, margin
+    def __init__(self, levels: Sequence[Level], report: CUDAGraphReport, climbs: bool = True) -> None:
+        self.report, self.climbs = report, climbs
         self._levels = [level for level in levels if level.unavailable is None]
         self._rows = {level.name: LevelRecord(level.name) for level in self._levels} if climbs else {}
         #: The report's ladder rows, in climbing order (none for a fixed scope).
@@ -158,22 +132,19 @@ class Ladder:
     def close_call(self, step_ms: float, spread: float = 1.0) -> bool:
         """Whether ``step_ms`` is too near the bar a level must pass to decide on a few steps (time it longer).
 
-        Near means within the margin of the bar, or within half the steps' spread (``max / min``) of it: a median
-        of noisy steps is only that sure.
+        Near means within the margin, or within half the steps' spread (``max / min``): a median of noisy steps is
+        only that sure.
         """
-        bar = self._reference() * (1 - self.margin)
-        return not math.isnan(bar) and abs(step_ms - bar) < max(bar * self.margin, step_ms * (spread - 1) / 2)
+        bar = self._bar()
+        return not math.isnan(bar) and abs(step_ms - bar) < max(bar * MARGIN, step_ms * (spread - 1) / 2)
 
     def far(self, step_ms: float) -> bool:
         """Whether ``step_ms`` is so far from the bar (by :data:`FAR`, either way) that a second window confirms it."""
-        bar = self._reference() * (1 - self.margin)
+        bar = self._bar()
         return not math.isnan(bar) and bar > 0 and not 1 / FAR < step_ms / bar < FAR
 
     def checked(self, step_ms: float, eager_ms: float = math.nan) -> bool:
-        """The settled level's steady-state time against eager steps timed beside it (``nan``: the reference).
-
-        Returns whether it still beats eager training; else its row says it lost, and no level is kept.
-        """
+        """Whether the settled level beats eager steps timed beside it (``nan``: the reference); else none is kept."""
         self.steady_eager_ms = self.eager_ms if math.isnan(eager_ms) else eager_ms
         if self._best is None or math.isnan(self.steady_eager_ms) or step_ms < self.steady_eager_ms:
             return True
@@ -187,10 +158,9 @@ class Ladder:
         return False
 
     def same_regions(self, regions: frozenset[str] | None) -> str | None:
-        """The current level captures ``regions``: a level timed before that captured the same ones, or ``None``.
+        """The current level captures ``regions`` (``None``: the whole step): a level timed before on the same ones.
 
         Layers narrowed to their parts can make two levels capture the same regions; the second is not timed again.
-        ``None`` (the whole step) matches nothing.
         """
         if regions is None:
             return None
@@ -208,8 +178,8 @@ class Ladder:
         """The current level is confirmed and timed: the level to move to next, ``None`` to stay, or :data:`EAGER`."""
         row = self.row
         row.step_ms = step_ms
-        reference = self._reference()
-        if math.isnan(reference) or step_ms < reference * (1 - self.margin):
+        bar = self._bar()
+        if math.isnan(bar) or step_ms < bar:
             if self._best is not None:
                 self._rows[self._best.name].status = "slower"
             self._best, self.best_ms = self.current, step_ms
@@ -218,9 +188,9 @@ class Ladder:
             row.status = "slower"
         return self._next()
 
-    def _reference(self) -> float:
-        """The time to beat: the best level's, or eager training's while none was kept."""
-        return self.best_ms if self._best is not None else self.eager_ms
+    def _bar(self) -> float:
+        """The time to beat by the margin: the best level's, or eager training's while none was kept."""
+        return (self.best_ms if self._best is not None else self.eager_ms) * (1 - MARGIN)
 
     def _next(self) -> Level | None:
         best = self._best
@@ -229,32 +199,27 @@ class Ladder:
                 row = self._rows[level.name]
                 row.status, row.reason = "skipped", f"{best.name!r} was confirmed faster and holds its work"
             return self._settle()
+        return self._advance()
+
+    def _advance(self) -> Level | None:
         if self._position + 1 < len(self._walk):
             self._position += 1
             return self.current
         return self._settle()
 
     def failed(self, reason: str) -> Level | None:
-        """The current level failed: where the walk goes next.
+        """The current level failed: the next level of the walk, or (none left) where it settles (as :meth:`measured`).
 
-        A failure does not end the climb: what failed one level (a shape that never settles, a capture that fails)
-        may not touch the levels above or below it, the whole step included.
-
-        Returns:
-            The next level of the walk (after the first, the widest; then narrower ones); with none left, the best
-            level confirmed to go back to (``None`` if it is the current one) or :data:`EAGER`.
+        What failed one level (a shape that never settles, a capture) may not touch the others, the whole step included.
         """
         row = self.row
         row.status, row.reason = "failed", reason
-        if self._position + 1 < len(self._walk):
-            self._position += 1
-            return self.current
-        return self._settle()
+        return self._advance()
 
     def step_down(self, reason: str) -> Level | None:
-        """The settled whole step failed for a reason the other levels do not have: the widest of them, settled on.
+        """The settled whole step failed for a reason the other levels do not have: the widest of them (``None``: none).
 
-        Its time is checked once more against eager training (as any level settled on is). ``None``: no level left.
+        It is settled on, and checked against eager training as any level settled on is.
         """
         row = self.row
         row.status, row.reason = "failed", reason

@@ -19,13 +19,7 @@ PYTHON_REASONS = ("step_python", "skipped_step")
 
 
 def after_failure(ladder: Ladder, reason: str, component: str) -> Level | None:
-    """The level the ladder goes to after its current level failed for ``reason``, with a warning; ``None``: none.
-
-    Args:
-        ladder: The ladder of the fit (its rows take the failure).
-        reason: The failure's reason.
-        component: Named in the warning.
-    """
+    """The level the ladder goes to after its current level failed for ``reason``, with a warning; ``None``: none."""
     if ladder.settled:
         return _step_down(ladder, reason, component)
     failed = ladder.row.level

@@ -1,8 +1,6 @@
 """The levels of a fit, planned once in preflight: a fixed scope's one level, or the ladder of ``scope="auto"``.
 
-:func:`plan` is the one call for every scope. It finds what each level captures, skips the levels a capture
-cannot hold (activation checkpointing, a whole step the Trainer rules out) with the reason, and names every target
-a scoped driver patches for the fit.
+Levels a capture cannot hold (activation checkpointing, a whole step the Trainer rules out) are skipped with the reason.
 """
 
 from __future__ import annotations

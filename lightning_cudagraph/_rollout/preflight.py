@@ -1,10 +1,7 @@
 """Preflight: the configuration checked against the Trainer, the model and the optimizers, before any capture.
 
-Each rule raises ``ValueError`` (component, value, allowed values, fix). The Trainer and model rules run in
-``setup``, beside :func:`lightning_cudagraph._rollout.planning.plan`, which plans every level of the fit. The optimizer
-rules need the optimizers, which Lightning builds in ``strategy.setup``, so they run in ``on_fit_start``. Both
-come before the first training step. The NCCL rule of the whole step under DDP
-(:data:`DDP_WHOLE_STEP_WARMUP_STEPS`) lives here alone.
+Each rule raises ``ValueError`` (component, value, allowed values, fix). The Trainer and model rules run in ``setup``;
+the optimizer rules in ``on_fit_start``, as Lightning builds the optimizers in ``strategy.setup``.
 """
 
 from __future__ import annotations
@@ -89,11 +86,9 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
 
 
 def whole_step_optimizer_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
-    """Check the optimizers for the whole step once they exist.
+    """Check the optimizers for the whole step once they exist: ``scope="auto"`` gets the reason to skip it by.
 
-    A fixed ``scope=["full_iteration"]`` refuses optimizers it cannot capture (``ValueError``). Under
-    ``scope="auto"`` the reason comes back instead: the whole-step level is skipped with it. ``None``: no problem,
-    or no whole step planned.
+    A fixed ``scope=["full_iteration"]`` raises instead. ``None``: no problem, or no whole step planned.
     """
     if config.full_iteration:
         check_optimizers(config, trainer)
@@ -184,8 +179,7 @@ def check_ddp_warmup(config: CUDAGraphConfig) -> None:
 def eager_steps_before_whole_step(trainer: pl.Trainer) -> int:
     """Eager steps a whole-step level reached later in the fit runs before its capture.
 
-    One: the first step of the optimizers in the capturable form the whole step switches them to. Under DDP, as
-    many as NCCL still needs.
+    One (the optimizers' first step in their capturable form), or under DDP as many as NCCL still needs.
     """
     if isinstance(trainer.strategy, DDPStrategy):
         return max(1, DDP_WHOLE_STEP_WARMUP_STEPS - trainer.global_step)
@@ -269,6 +263,5 @@ def _check_compile(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Ligh
             "compile= on one device",
             "not yet supported across devices: under DDP dynamo's DDPOptimizer splits compiled graphs at"
             " gradient-bucket boundaries, and compiled autograd (DDP, FSDP2) has not been tried inside a captured"
-            " step; drop compile=, or"
-            " compile the model yourself (default mode) and let the package capture it",
+            " step; drop compile=, or compile the model yourself (default mode) and let the package capture it",
         )

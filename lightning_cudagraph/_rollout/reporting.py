@@ -1,9 +1,4 @@
-"""How the report reaches the user during a fit: logged metrics, loggers, the progress bar, the last reason.
-
-The reason is that of a fit that ended before its graphs replayed. The metrics go through Lightning's own ``log_dict``
-once per log interval, so they share the rows of the user's metrics and appear in ``trainer.logged_metrics``; the stage
-is shown by name in the progress bar.
-"""
+"""How the report reaches the user during a fit: logged metrics, loggers, the progress bar, the last reason."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ __all__ = ["ProgressBarItems", "log_through_lightning", "log_to_loggers", "why_n
 def log_through_lightning(module: pl.LightningModule, metrics: dict[str, float]) -> None:
     """Log plain floats with one ``log_dict`` from a training-batch hook (``on_train_batch_end``).
 
-    They land in the rows Lightning writes for the user's metrics (every ``log_every_n_steps``, on every logger of the
-    Trainer) and in ``trainer.logged_metrics`` and ``trainer.callback_metrics`` (so a callback can monitor them).
+    They land in the rows of the user's metrics, ``trainer.logged_metrics`` and ``trainer.callback_metrics``.
     Each value becomes a CPU tensor: no copy to the GPU, no host sync.
     """
     trainer = module.trainer
@@ -37,10 +31,7 @@ def log_through_lightning(module: pl.LightningModule, metrics: dict[str, float])
 
 @rank_zero_only
 def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Send plain floats to every logger of the Trainer, on rank zero: for hooks where ``self.log`` is refused.
-
-    ``on_train_end`` is one: the metrics of a last interval that Lightning's own cadence did not write go this way.
-    """
+    """Send plain floats to every logger of the Trainer, on rank zero: for hooks where ``self.log`` is refused."""
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
 
@@ -48,12 +39,8 @@ def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) ->
 class ProgressBarItems:
     """Extra items on a Lightning progress bar: strings too (``self.log(prog_bar=True)`` takes numbers only).
 
-    The bar's ``get_metrics`` is the documented place that decides what it shows; this wraps it on the one bar
-    instance, for one fit, and :meth:`remove` puts back what was there. Items are read at every refresh from plain
-    Python values (no tensor, no host sync).
-
-    Args:
-        items: Returns the items to add, e.g. ``{"graphs": "replaying"}`` (empty: nothing added).
+    This wraps the bar's ``get_metrics`` (the documented place that decides what it shows) on the one bar instance,
+    and :meth:`remove` puts back what was there. ``items`` is read at every refresh (plain values, no host sync).
 
     Example:
         >>> from lightning.pytorch.callbacks import TQDMProgressBar
@@ -89,10 +76,7 @@ class ProgressBarItems:
 class _WithItems:
     """A bar's ``get_metrics`` with the package's items added after its own.
 
-    Args:
-        get_metrics: The bar's ``get_metrics`` (bound).
-        replaced: What the bar instance itself held as ``get_metrics`` before (``None``: only its class's method).
-        items: The items to add.
+    ``replaced``: what the bar instance itself held as ``get_metrics`` before (``None``: only its class's method).
     """
 
     def __init__(

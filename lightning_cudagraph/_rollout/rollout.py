@@ -1,11 +1,8 @@
 """The staged rollout of one fit: preflight and the plan of its levels, then the level runner, timing and logging.
 
-The callback and the strategy report Lightning events here. The stage machine (:mod:`~lightning_cudagraph._trust.
-stages`) knows where the fit is; the level runner (:mod:`~lightning_cudagraph._rollout.climb`) which level runs, with
-the drivers (:mod:`~lightning_cudagraph._graphs`) that :mod:`~lightning_cudagraph._rollout.factory` builds over a
-capture backend. The README's seven stages: 1 preflight (:meth:`Rollout.setup`, :meth:`Rollout.fit_start`), 2 eager
-stabilization, 3 fixed shapes, 4 capture, 5 replay confirmation and 6 replay (the drivers), 7 release
-(:meth:`Rollout.release`). A fixed scope is a one-level ladder: every fit runs through the same runner.
+The callback and the strategy report Lightning events here. Of the README's seven stages, preflight
+(:meth:`Rollout.setup`, :meth:`Rollout.fit_start`) and release (:meth:`Rollout.release`) run here; eager
+stabilization, fixed shapes, capture, replay confirmation and replay run in the drivers.
 """
 
 from __future__ import annotations
@@ -41,10 +38,7 @@ from lightning_cudagraph.health import CUDAGraphReport, Stage
 class Rollout:
     """Drives one fit through the stages, for a :class:`~lightning_cudagraph._options.config.CUDAGraphConfig`.
 
-    Args:
-        config: The validated options.
-        component: Named in messages and errors.
-        backend: The capture backend; ``None`` picks CUDA on a CUDA device (and graphs off elsewhere).
+    A ``backend`` of ``None`` picks CUDA on a CUDA device (and graphs off elsewhere).
     """
 
     def __init__(self, config: CUDAGraphConfig, backend: CaptureBackend | None = None) -> None:
@@ -56,13 +50,10 @@ class Rollout:
         self.backend = backend
         #: The level runner: idle (no level, an idle driver) until setup plans the levels and fit start attaches it.
         self.climb = Climb(Plan((), climbs=False), self.report, config.component, LevelSettings.of(config))
-        #: The package's metrics of the fit, once per log interval.
         self.log = FitLog(self.report)
-        #: Validation, test and predict on forward-only graphs (:mod:`lightning_cudagraph._rollout.evaluation`).
         self.evaluation = EvaluationGraphs(config, self.report.evaluation)
         self._sealed = False
-        #: Whether the strategy hands every micro-batch of an accumulation window to the whole step: a whole-step
-        #: level is planned (and not skipped), under automatic optimization. Set when the fit starts.
+        #: Whether the strategy hands every micro-batch of an accumulation window to the whole step (set at fit start).
         self.whole_step_accumulation = False
         #: What the eager steps' Python showed (the package's strategies run the whole step: it is watched there).
         self.step_python = StepPython(Observer(trace=config.compile is None), config.component)
@@ -149,10 +140,7 @@ class Rollout:
         self.climb.batch_started(trainer, batch)
 
     def batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any) -> None:
-        """Close the step: confirmation checks, stage changes; once per interval the health check and the metrics.
-
-        Then the ladder's move, if one is due.
-        """
+        """Close the step; once per interval the health check and the metrics; then the ladder's move, if one is due."""
         self.climb.batch_ended(outputs)
         if self.log.interval_ended(trainer):
             self.driver.health_check(trainer.global_step)  # it may roll back: before the metrics say where the fit is
@@ -165,10 +153,7 @@ class Rollout:
 
     # ------------------------------------------------------------------ whole steps (called by the strategy)
     def plan_whole_step(self, trainer: pl.Trainer, batch: Any) -> Any:
-        """Before a training step: the driver plans it (eager, capture or replay) and returns the batch to use.
-
-        The step's Python is watched around it (:mod:`lightning_cudagraph._rollout.step_python`).
-        """
+        """Before a training step: the driver plans it (eager, capture or replay) and returns the batch to use."""
         driver = self.driver
         watched = self.active and trainer.training and not trainer.sanity_checking
         if watched:
@@ -201,10 +186,7 @@ class Rollout:
 
     # ------------------------------------------------------------------ evaluation loops
     def evaluation_start(self, trainer: pl.Trainer, backend: CaptureBackend | None = None) -> None:
-        """An evaluation loop starts: its graphs (the whole step, or the trained regions), or eager with the reason.
-
-        ``backend`` is the callback's, for a loop outside a fit (a fit's rollout has its own from setup).
-        """
+        """An evaluation loop starts: its graphs, or eager with the reason; ``backend`` serves a loop outside a fit."""
         if self.backend is None and self.config.enabled and self.config.eval_graphs and not trainer.sanity_checking:
             self.backend = backend or default_backend(trainer.strategy.root_device)  # a loop outside a fit
         strategy = bool(getattr(trainer.strategy, "supports_full_iteration", False))

@@ -12,7 +12,7 @@ from lightning_cudagraph._options.config import CUDAGraphConfig, config_error
 
 __all__ = ["SCOPED_UNDER_FSDP2", "check_sharded", "instead_of_the_whole_step", "scoped_graphs"]
 
-#: Why scoped levels are refused under FSDP2 (preflight for a fixed scope, the ladder's plan under ``scope="auto"``).
+#: Why scoped levels are refused under FSDP2.
 SCOPED_UNDER_FSDP2 = (
     "scoped graphs are refused under FSDP2: each region would hold its own unsharded copy of the parameters it reads,"
     " the memory FSDP2 exists to save"

@@ -1,12 +1,10 @@
 """The step's Python, judged: may one graph hold the whole training step?
 
-A whole-step replay runs no Python at all, so the step's Python must do the same thing on every step. The eager
-steps before the first capture are observed (:mod:`lightning_cudagraph._trust.observation`), and so is one eager step at
-every epoch boundary once the whole step replays (an epoch, a scheduler's epoch step or a callback's epoch hook can
-change what the step does). A step that reads a per-step value, draws from Python's ``random``, skips its batch,
-changes its module's attributes from one step to the next, launches other operations or other Python numbers than
-the step before, or runs optimizer step hooks is not held by a whole-step graph: the fit rolls back (a fixed
-``full_iteration``), or ``scope="auto"`` leaves the whole step out and settles on a level that runs that Python.
+A whole-step replay runs no Python, so the step's Python must do the same thing on every step. The eager steps before
+the first capture are observed, and one eager step at every epoch boundary once the whole step replays (an epoch's
+hooks can change what the step does). Python a graph would freeze (a per-step value read, a random draw, a skipped
+batch, changed attributes or operations, optimizer step hooks) rolls a fixed ``full_iteration`` back; under
+``scope="auto"`` the whole step is left out.
 """
 
 from __future__ import annotations
@@ -44,28 +42,9 @@ _UNOBSERVED = object()
 class StepPython:
     """The observed eager steps of one fit, by batch key, and what they showed (``problem``).
 
-    The rollout hands it each whole step (the package's strategies): :meth:`plan` before the driver plans it,
-    :meth:`run` around the optimizer step, and what it finds goes to the stage machine and the ladder.
-
-    Args:
-        observer: Watches each observed step.
-        component: Named in messages.
-        setup_steps: Observed steps per batch key that may set things up once (a lazy buffer, Lightning's first
-            ``self.log``; under DDP also the second, where DDP rebuilds its gradient buckets): their changes and
-            operations are not compared.
-
-    Example:
-        >>> import torch
-        >>> python = StepPython(Observer(trace=False))
-        >>> module = torch.nn.Linear(2, 2)
-        >>> module.calls = 0
-        >>> def step():
-        ...     module.calls += 1
-        ...     return torch.ones(())
-        >>> for _ in range(2):
-        ...     _ = python.observe(("batch",), module, epoch=0, run_step=step)
-        >>> python.problem.split(":")[0]
-        'step_python'
+    The rollout hands it each whole step: :meth:`plan` before the driver plans it, :meth:`run` around it.
+    ``setup_steps``: observed steps per batch key that may set things up once (a lazy buffer, Lightning's first
+    ``self.log``; under DDP also the second, where DDP rebuilds its gradient buckets), whose changes are not compared.
     """
 
     def __init__(self, observer: Observer, component: str = "CUDAGraphCallback", setup_steps: int = 1) -> None:
@@ -77,11 +56,6 @@ class StepPython:
         self._current: Behaviour | None = None
         self._epoch: int | None = None
         self._planned: Any = _UNOBSERVED  # (batch key, whether it re-checks) of the step planned to run observed
-
-    @property
-    def observing(self) -> bool:
-        """Whether an observed step is running now."""
-        return self._current is not None
 
     def recheck_due(self, epoch: int) -> bool:
         """Whether an epoch started since the last observed step (once graphs replay, one eager step re-checks)."""

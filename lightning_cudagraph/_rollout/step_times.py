@@ -16,31 +16,14 @@ __all__ = ["FitSteps", "LevelRun"]
 
 
 class FitSteps:
-    """Every training step's time: the logged median, and the eager steps before the first capture.
+    """Every training step's time (``timer``, started and stopped by the runner): the logged median, the eager ones.
 
-    Args:
-        timer: The backend's timer.
-        report: ``step_ms`` mirrors the median of each log interval.
-
-    Example:
-        >>> from lightning_cudagraph.health import CUDAGraphReport
-        >>> steps = FitSteps(StepTimer(use_cuda=False), CUDAGraphReport())
-        >>> steps.start(); steps.stop()
-        >>> steps.eager_median() >= 0, steps.eager_median()  # taken once
-        (True, None)
+    ``report.step_ms`` mirrors the median of each log interval.
     """
 
     def __init__(self, timer: StepTimer, report: CUDAGraphReport) -> None:
         self.timer, self.report = timer, report
         self._eager: list[float] | None = []  # eager step times until the baseline is taken (then None)
-
-    def start(self) -> None:
-        """A training step starts."""
-        self.timer.start()
-
-    def stop(self) -> None:
-        """The training step ends."""
-        self.timer.stop()
 
     def read_interval(self, eager: bool) -> None:
         """Once per log interval: read the steps (one host sync); ``eager``: warmup steps, kept for the baseline."""
@@ -53,8 +36,8 @@ class FitSteps:
     def eager_median(self, reference: list[float] | None = None) -> float | None:
         """Right before the first capture: the median eager step time, once (``None`` after).
 
-        ``reference``: the times of eager steps that recorded nothing (``scope="auto"``): their median is the figure.
-        Otherwise the median of the eager steps so far, the first left out (it compiles kernels and fills caches).
+        That of the ``reference`` steps if any (``scope="auto"``), else of the eager steps so far, the first left out
+        (it compiles kernels and fills caches).
         """
         if self._eager is None:
             return None
@@ -74,10 +57,7 @@ class LevelRun:
     Attributes:
         window: Times the level's steps (shared by the levels of a fit; a new level drops a partial window).
         capture_mark: The fit's capture time when the level began (its row gets the captures since).
-        since_capture: Steps on graphs since the level's capture.
-        timing: Whether the step in progress is timed.
-        measured: Steps timed so far.
-        due: Steps to time before the decision.
+        due: Steps timed (``measured``) before the decision.
         times: Their times, read so far (ms).
         earlier: Medians of the level's earlier windows (a level far from the bar is timed twice).
 
