@@ -79,6 +79,9 @@ class EvalGraphs(Generic[G]):
     largest relative difference from the eager result allowed; ``limit`` the most graphs held.
     """
 
+    #: Whether :attr:`cache` holds at most ``limit`` graphs (a kind that bounds each of its parts apart says no).
+    cache_bounded = True
+
     def __init__(
         self,
         backend: CaptureBackend,
@@ -89,8 +92,8 @@ class EvalGraphs(Generic[G]):
         limit: int,
     ) -> None:
         self.backend, self.record, self.policy = backend, record, policy
-        self.component, self.tolerance = component, tolerance
-        self.cache: EvalGraphCache[G] = EvalGraphCache(limit)
+        self.component, self.tolerance, self.limit = component, tolerance, limit
+        self.cache: EvalGraphCache[G] = EvalGraphCache(limit if self.cache_bounded else 1 << 30)
 
     def decide(self, key: Hashable, room: bool = True) -> G | bool:
         """What a call of ``key`` does: replay the graph returned, capture it (``True``), or run eagerly (``False``).

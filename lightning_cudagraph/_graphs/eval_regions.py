@@ -17,12 +17,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
+from lightning_cudagraph._backend.backend import StepGraph
 from lightning_cudagraph._backend.signature import CallSignature, call_signature, distinct_tensors, rebuild_call
 from lightning_cudagraph._graphs.eval_capture import EvalGraphs
 from lightning_cudagraph._graphs.patched_forward import PatchedForward
-from lightning_cudagraph._trust.failure import FailurePolicy
-from lightning_cudagraph.health import EvaluationRecord
 
 __all__ = ["EvalRegionGraphs", "RegionForward"]
 
@@ -67,28 +65,18 @@ class RegionForward(PatchedForward):
 class EvalRegionGraphs(EvalGraphs[_RegionGraph]):
     """Forward-only graphs of some regions during evaluation loops, in the backend's pool (``limit`` per region)."""
 
-    def __init__(
-        self,
-        backend: CaptureBackend,
-        record: EvaluationRecord,
-        policy: FailurePolicy,
-        component: str,
-        tolerance: float,
-        limit: int,
-    ) -> None:
-        # Every region holds up to ``limit`` signatures; the cache itself never evicts a region for another one.
-        super().__init__(backend, record, policy, component, tolerance, limit=1 << 30)
-        self.limit = limit
-        self._forwards: list[RegionForward] = []
+    #: Every region holds up to ``limit`` signatures; the cache itself never evicts a region for another one.
+    cache_bounded = False
+    _forwards: tuple[RegionForward, ...] = ()
 
     def install(self, regions: Sequence[tuple[str, torch.nn.Module]]) -> None:
         """Wrap the regions' forwards for this loop (idempotent)."""
         if not self._forwards:
-            self._forwards = [RegionForward(name, module, self) for name, module in regions]
+            self._forwards = tuple(RegionForward(name, module, self) for name, module in regions)
 
     def restore(self) -> None:
         """Give every region its forward back, innermost wrap last (idempotent); the graphs stay for the next loop."""
-        forwards, self._forwards = self._forwards, []
+        forwards, self._forwards = self._forwards, ()
         for forward in reversed(forwards):
             forward.restore()
 
