@@ -136,7 +136,8 @@ class CUDAGraphReport:
         parity_err: Largest relative difference between a graphed forward and the eager forward on the same
             inputs, measured during confirmation; for the whole step, between the graph's and the eager step's
             loss and parameter update from the same state (shadow steps: confirmation and audits).
-        audits: Shadow steps run: the graph checked against the eager step from the same state on a real batch.
+        audits: Checks of a graph against eager on a real batch, of every kind (regions' forwards, whole-step
+            shadow steps, the optimizer update): the checks of confirmation and the audits.
         memory_before_capture: ``torch.cuda.memory_allocated()`` right before the first capture, in bytes.
         nonfinite: Non-finite losses seen, as ``(first step, count)`` per detection.
         level: The level graphs run at (``attn``, ``attn+mlp``, ``layer``, ``full_iteration``); with a fixed

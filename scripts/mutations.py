@@ -686,8 +686,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_trust/cadence.py",
-        "        self._since, self._interval = 0, min(2 * self._interval, self.every)",
-        "        self._since, self._interval = 0, self.every",
+        "        self._since, self._interval = 0, min(2 * self._interval, self._every)",
+        "        self._since, self._interval = 0, self._every",
         "audits are not dense after capture: a wrong graph trains up to audit_every_n_steps steps before the check",
         "tests/test_trust.py::test_audits_start_dense_after_a_capture_and_thin_out_to_the_interval",
     ),

@@ -14,8 +14,7 @@ from typing import Any
 from lightning_cudagraph._graphs.regions import RegionSet
 from lightning_cudagraph._graphs.routing import GraphSet, StepRoute
 from lightning_cudagraph._options.config import CUDAGraphConfig
-from lightning_cudagraph._trust.cadence import AuditCadence
-from lightning_cudagraph._trust.evidence import largest_so_far
+from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
@@ -39,21 +38,22 @@ class RegionConfirmation:
         self.report = machine.report
         self._tolerance = tolerance
         self._pending_problem: str | None = None
-        self._audits = AuditCadence(config.audit_every_n_steps)
+        self.checks = GraphChecks(config.confirm_steps, config.audit_every_n_steps, self.report)
+        self._turn = 0  # the region the next audit checks, in turn
 
     def audit_when_due(self, graph_set: GraphSet) -> None:
-        """When an audit is due (:class:`~lightning_cudagraph._trust.cadence.AuditCadence`), check one region again.
+        """When an audit is due (:class:`~lightning_cudagraph._trust.cadence.GraphChecks`), check one region again.
 
         The regions take their turns; the step then checks it as a confirming step does.
         """
         if self.machine.stage != Stage.REPLAYING or graph_set.confirm_left > 0 or not graph_set.entries:
             return
-        if not self._audits.due():
+        if not self.checks.audit_due():
             return
         indices = sorted(graph_set.entries)
-        graph_set.entries[indices[self.report.audits % len(indices)]].parity_checked = False
+        graph_set.entries[indices[self._turn % len(indices)]].parity_checked = False
         graph_set.confirm_left = 1
-        self.report.audits += 1
+        self._turn += 1
 
     def recheck(self) -> None:
         """Confirm every captured shape again on its next step (the seal's self-check)."""
@@ -127,9 +127,7 @@ class RegionConfirmation:
         errors = [(index, float(error)) for index, error in route.parity]  # confirmation only: host syncs allowed
         agreed = self.machine.agreement.any_of([not error <= tolerance for _, error in errors])
         bad = {index: error for (index, error), failed in zip(errors, agreed, strict=True) if failed}
-        kept = [error for index, error in errors if index not in bad]
-        if kept:
-            self.report.parity_err = largest_so_far(self.report.parity_err, *kept)
+        self.checks.checked(*[error for index, error in errors if index not in bad])
         if not bad:
             return True
         worst = max(bad.values())

@@ -30,8 +30,7 @@ from lightning_cudagraph._graphs.optimizer_update import (
 from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_replay import run_eagerly
 from lightning_cudagraph._options.config import CUDAGraphConfig
-from lightning_cudagraph._trust.cadence import AuditCadence
-from lightning_cudagraph._trust.evidence import largest_so_far
+from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph._trust.tolerance import STEP_TOL
@@ -59,7 +58,9 @@ class OptimizerGraph:
         self._has_grad: list[bool] = []
         self._static_grads: list[Tensor] = []
         self._confirm_left = 0
-        self._audits = AuditCadence(config.audit_every_n_steps)
+        self.checks = GraphChecks(
+            config.confirm_steps, config.audit_every_n_steps, self.report, parity="optimizer_parity_err"
+        )
         self.off_reason: str | None = None
         #: Where the graph is (``waiting``, ``confirming``, ``replaying``, or why it is off); the report mirrors it.
         self.state: str | None = None
@@ -102,7 +103,7 @@ class OptimizerGraph:
             eager_update()
             self.machine.rollback(setting_moved(problem))
             return
-        check_due = self._confirm_left > 0 or self._audits.due()
+        check_due = self._confirm_left > 0 or self.checks.audit_due()
         grads = [p.grad for p in self._params]  # one pass over the parameters: checked, then copied
         differ = self._grads_differ(module, grads)
         if differ is not None:
@@ -167,8 +168,7 @@ class OptimizerGraph:
             eager_update()
             return
         self.optimizers.captured()
-        self._confirm_left = self.config.confirm_steps
-        self._audits.checked()
+        self._confirm_left = self.checks.captured()
         self._set_state(CONFIRMING)
         rank_zero_info(f"{self.component}: captured the optimizer step ({len(grads)} parameters) in {elapsed:.1f} ms")
         self._shadow(module, eager_update, state)
@@ -195,10 +195,8 @@ class OptimizerGraph:
     def _weigh(self, value: float | None) -> None:
         """Count a check of difference ``value`` (``None``: none on this rank); roll back unless every rank's passed."""
         self._confirm_left -= 1
-        self._audits.checked()
         if value is not None:
-            self.report.audits += 1
-            self.report.optimizer_parity_err = largest_so_far(self.report.optimizer_parity_err, value)
+            self.checks.checked(value)
         if not self.machine.agreement.all_ok(value is None or value <= OPTIMIZER_TOL):
             by = "on another rank" if value is None or value <= OPTIMIZER_TOL else f"by {value:.3g}"
             self.machine.rollback(

@@ -75,7 +75,14 @@ class ScopedDriver(Driver):
         self.forwards = PatchedForwards(self.targets, self.router, compiled)
         self.recorder = WarmupRecorder(self.targets, run_of=self.forwards.run_of)
         self.capture = GraphSetCapture(
-            self, regions, self.recorder, self.narrowing, self.router, self.graph_sets, self.state
+            self,
+            regions,
+            self.recorder,
+            self.narrowing,
+            self.router,
+            self.graph_sets,
+            self.state,
+            self.confirmation.checks,
         )
         self._microbatches = 1
         self._released = False

@@ -16,6 +16,7 @@ from lightning_cudagraph._graphs.region_capture import NarrowingCapture, say_wha
 from lightning_cudagraph._graphs.regions import RegionSet
 from lightning_cudagraph._graphs.routing import CallRouter, GraphSet, ReplayEntry, StepRoute
 from lightning_cudagraph._options.batches import describe_batch_key
+from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.evidence import StateWatch
 from lightning_cudagraph._trust.recording import CapturePlan, WarmupRecorder
 from lightning_cudagraph._trust.shape_cache import ShapeCache
@@ -30,6 +31,7 @@ class GraphSetCapture:
         driver: The scoped driver (its options, settings, stage machine and capture bookkeeping).
         router: Routes the targets' calls (told about each region's backward).
         state: Watches the captured regions' tensors from the first capture on.
+        checks: The regions' checks against eager (a new graph set owes its confirmation).
     """
 
     def __init__(
@@ -41,9 +43,10 @@ class GraphSetCapture:
         router: CallRouter,
         graph_sets: ShapeCache[GraphSet],
         state: StateWatch,
+        checks: GraphChecks,
     ) -> None:
         self.driver, self.regions, self.recorder, self.narrowing = driver, regions, recorder, narrowing
-        self.router, self.graph_sets, self.state = router, graph_sets, state
+        self.router, self.graph_sets, self.state, self.checks = router, graph_sets, state, checks
         self.machine, self.report, self.component = driver.machine, driver.report, driver.component
         #: Batch shapes found not capturable (their steps fall back to eager, counted).
         self.uncapturable: set[tuple[Any, ...]] = set()
@@ -106,7 +109,7 @@ class GraphSetCapture:
         for region in regions:
             region.on_backward = self.router.on_backward
         entries = {self.regions.index[region.name]: ReplayEntry(region) for region in regions}
-        self.graph_sets.add(batch, GraphSet(batch, entries, confirm_left=self.driver.config.confirm_steps))
+        self.graph_sets.add(batch, GraphSet(batch, entries, confirm_left=self.checks.captured()))
         if not settings.keep_samples:
             self.recorder.forget(batch)
         self.autocast = self.autocast or any(region.signature.autocast[0] for region in regions)

@@ -21,14 +21,10 @@ __all__ = ["StepPlanner"]
 
 
 class StepPlanner:
-    """Plans each training batch of the whole step: replay, capture, or run eagerly.
+    """Plans each training batch of the whole step: replay, capture, or run eagerly."""
 
-    Args:
-        confirm_steps: Replays a new capture checks before it is trusted.
-    """
-
-    def __init__(self, machine: StageMachine, shapes: ShapeDecision, confirm_steps: int) -> None:
-        self.machine, self.shapes, self.confirm_steps = machine, shapes, confirm_steps
+    def __init__(self, machine: StageMachine, shapes: ShapeDecision) -> None:
+        self.machine, self.shapes = machine, shapes
         #: The place of the batch planned last in its accumulation window.
         self.position = Position.at(0, 1, last_batch=False)
         self._sightings: dict[tuple[Any, ...], int] = {}  # eager steps of each batch key not captured yet
@@ -96,5 +92,5 @@ class StepPlanner:
     ) -> tuple[StepPlan, Any]:
         # A copy of this batch becomes the static buffers of the step about to be captured: later batches are copied
         # into it, so it must never be the user's own tensors (a dataset on the device would be overwritten).
-        whole = WholeStep(static_batch=own_copy(batch), confirm_left=self.confirm_steps)
+        whole = WholeStep(static_batch=own_copy(batch))
         return CaptureStep(key, whole, evicts, window, position), whole.static_batch

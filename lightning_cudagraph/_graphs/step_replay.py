@@ -14,8 +14,7 @@ from lightning_cudagraph._graphs.accumulation import Place
 from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph._lightning import set_closure_result, step_loss
-from lightning_cudagraph._trust.cadence import AuditCadence
-from lightning_cudagraph._trust.evidence import largest_so_far
+from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.failure import GraphFailure
 from lightning_cudagraph._trust.shadow import compare
 from lightning_cudagraph._trust.snapshot import TrainingState
@@ -23,14 +22,13 @@ from lightning_cudagraph._trust.stages import StageMachine
 
 
 class StepReplays:
-    """Replays captured whole steps, and audits them with shadow steps (``audit_every``: ``audit_every_n_steps``)."""
+    """Replays captured whole steps, and checks them with shadow steps when ``checks`` says one is due."""
 
     def __init__(
-        self, machine: StageMachine, optimizers: StepOptimizers, flags: NonFiniteFlags, audit_every: int | None
+        self, machine: StageMachine, optimizers: StepOptimizers, flags: NonFiniteFlags, checks: GraphChecks
     ) -> None:
-        self.machine, self.optimizers, self.flags = machine, optimizers, flags
+        self.machine, self.optimizers, self.flags, self.checks = machine, optimizers, flags, checks
         self.report = machine.report
-        self.audits = AuditCadence(audit_every)
         #: Watches replays under several ranks, where a graph holds collectives (``None`` in one process).
         self.watchdog: ReplayWatchdog | None = None
         #: The first step the next non-finite check covers.
@@ -90,7 +88,6 @@ class StepReplays:
         graph that fails the check never touched the weights.
         """
         whole.shadowed = True
-        self.audits.checked()
         graphed = self.replay(whole, trainer, closure, module, reissue=False, steps=place.steps)
         graph_loss, graph_params = step_loss(graphed), state.parameters_now()
         graph_grads = None if place.steps else state.gradients_now()
@@ -100,8 +97,7 @@ class StepReplays:
         output = run_eagerly(run_step)
         state.keep_gradient_buffers()
         verdict = compare(trainer, state, graph_params, graph_loss, step_loss(output), graph_grads, place.zeroes)
-        self.report.audits += 1
-        self.report.parity_err = largest_so_far(self.report.parity_err, verdict.error)
+        self.checks.checked(verdict.error)
         if self.machine.agreement.any_of([not verdict.passed])[0]:  # FSDP2's ranks weigh different shards
             step = trainer.global_step
             elsewhere = f"parity: the whole-step graph failed its shadow check on another rank at step {step}"

@@ -37,6 +37,7 @@ from lightning_cudagraph._graphs.step_replay import StepReplays, run_eagerly
 from lightning_cudagraph._lightning import accumulating
 from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph._options.config import CUDAGraphConfig
+from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.evidence import StateWatch
 from lightning_cudagraph._trust.shadow import precision_state
 from lightning_cudagraph._trust.shape_cache import ShapeCache
@@ -66,11 +67,12 @@ class WholeStepDriver(Driver):
         self.compiled = compiled
         self.steps: ShapeCache[StepWindow] = self._shape_cache(StepWindow.reset)
         shapes = ShapeDecision(config.on_shape_change, self.steps, machine, config.component)
-        self.planner = StepPlanner(machine, shapes, config.confirm_steps)
+        self.planner = StepPlanner(machine, shapes)
         self.optimizers = StepOptimizers(backend)
         self.flags = NonFiniteFlags(self.backend.device)
         self.capture = StepCapture(backend, machine, self.flags)
-        self.replays = StepReplays(machine, self.optimizers, self.flags, config.audit_every_n_steps)
+        self.checks = GraphChecks(config.confirm_steps, config.audit_every_n_steps, self.report)
+        self.replays = StepReplays(machine, self.optimizers, self.flags, self.checks)
         self.state = StateWatch()
         self._plan: StepPlan | None = None
         self._first: StepWindow | None = None
@@ -143,7 +145,7 @@ class WholeStepDriver(Driver):
             return run_eagerly(run_step)
         if plan.position.place.zeroes and plan.whole.grads is not None:  # an eager step moved them: point them back
             self.binding.bind(plan.whole.grads)
-        if self.replays.audits.due():
+        if self.checks.audit_due():
             state = self._state_before_step(trainer, module)
             return self._shadow(plan, trainer, closure, run_step, module, state)
         return self.replays.replay(plan.whole, trainer, closure, module, steps=plan.position.place.steps)
@@ -202,6 +204,7 @@ class WholeStepDriver(Driver):
             self.machine.rollback(metric_in_graph(updated))
             return False
         self.optimizers.captured()  # what this graph bakes in
+        whole.confirm_left = self.checks.captured()
         if first:  # later shapes must read the same tensors: a rebind in between is caught, not re-watched
             inside = [(name, m, None) for name, m in module.named_modules() if name and not isinstance(m, Metric)]
             self.state.watch((*module.named_parameters(), *module.named_buffers()), inside)
