@@ -61,6 +61,13 @@ class Driver(ABC):
         settings: The level's settings (a fixed scope's: :meth:`LevelSettings.of`).
     """
 
+    #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
+    captured_any = False
+    #: Whether the step in progress is an eager reference step (see ``take_reference_step``).
+    in_reference_step = False
+    #: Run the next planned step eagerly, a fallback with this reason (a re-check of the step's Python).
+    eager_next: str | None = None
+
     def __init__(
         self,
         config: CUDAGraphConfig,
@@ -74,15 +81,9 @@ class Driver(ABC):
         self.settings = settings
         #: Called once, right before the first capture (the rollout reads the eager step times there).
         self.before_first_capture: Callable[[], None] = lambda: None
-        #: Whether this driver has captured anything yet (the report's counters may come from a checkpoint).
-        self.captured_any = False
         #: Whether to run an eager step that records nothing where one could run (before the first capture, or between
         #: replays): ``scope="auto"``'s eager reference. The level runner owns the answer; by default never.
         self.take_reference_step: Callable[[], bool] = lambda: False
-        #: Whether the step in progress is one of them.
-        self.in_reference_step = False
-        #: Run the next planned step eagerly, a fallback with this reason (a re-check of the step's Python).
-        self.eager_next: str | None = None
 
     def _shape_cache(self, reset: Callable[[Any], None]) -> ShapeCache[Any]:
         return ShapeCache(self.config.graph_set_limit, self.report, self.component, reset)

@@ -18,7 +18,7 @@ from lightning_cudagraph._backend.timing import median
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
 from lightning_cudagraph._options.levels import Level, Plan
 from lightning_cudagraph._rollout.eager_reference import EagerReference
-from lightning_cudagraph._rollout.factory import IDLE, DriverFactory
+from lightning_cudagraph._rollout.factory import DriverFactory, IdleDriver
 from lightning_cudagraph._rollout.ladder import CHECK_STEPS, EAGER, MAX_MEASURE_STEPS, MEASURE_STEPS, Ladder
 from lightning_cudagraph._rollout.level_failure import after_failure
 from lightning_cudagraph._rollout.preflight import eager_steps_before_whole_step
@@ -57,7 +57,7 @@ class Climb:
         self.report, self.component, self.settings = report, component, settings
         self._running: RunningFit | None = None
         #: The driver of the level training is on: an idle one (every hook does nothing) until :meth:`attach`.
-        self.driver: Driver = IDLE
+        self.driver: Driver = IdleDriver()
         self._pending: Level | None = None  # where a failure sent the ladder (its driver is released)
         self.reference = EagerReference()
 

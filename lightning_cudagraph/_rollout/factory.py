@@ -24,7 +24,7 @@ from lightning_cudagraph._trust.observation import Observer
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.stages import StageMachine
 
-__all__ = ["IDLE", "DriverFactory", "IdleDriver"]
+__all__ = ["DriverFactory", "IdleDriver"]
 
 
 class DriverFactory:
@@ -88,10 +88,8 @@ class DriverFactory:
 class IdleDriver(Driver):
     """The driver of a fit that has none (before ``on_fit_start`` built one, or graphs were off before it).
 
-    Every hook does nothing, as without the package; it holds no state, so one serves all fits.
+    Every hook does nothing, as without the package. The base's flags keep their class defaults.
     """
-
-    captured_any = in_reference_step = False
 
     def __init__(self) -> None:  # the base's collaborators (backend, stage machine) do not exist here
         pass
@@ -109,7 +107,3 @@ class IdleDriver(Driver):
     @override
     def shape_cache(self) -> ShapeCache[Any]:
         raise RuntimeError("an idle driver captures nothing: it has no batch shapes")
-
-
-#: The driver of every fit until its factory builds one.
-IDLE = IdleDriver()
