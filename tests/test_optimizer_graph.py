@@ -343,3 +343,32 @@ def test_a_skipped_batch_runs_the_optimizer_step_as_eager_does_and_the_graph_ser
     params = {name: p.detach().clone() for name, p in skipping.named_parameters()}
     assert max_param_diff({n: p.detach() for n, p in eager.named_parameters()}, params) < TOL
     assert_optimizer_given_back(skipping, backend)
+
+
+class StepHookedAt(pl.Callback):
+    """Registers an optimizer step post-hook at the start of one step, and counts the steps it ran on."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+def test_a_step_hook_added_after_the_update_is_captured_rolls_back_naming_the_optimizer_graph():
+    hooked_eager, hooked = StepHookedAt(WARMUP + 3), StepHookedAt(WARMUP + 3)
+    eager = fit(*decoder(TINY), STEPS, [hooked_eager], **CPU)
+    backend = FakeBackend()
+    with pytest.warns(UserWarning, match="step_python"):
+        run = fit(*decoder(TINY), STEPS, [hooked], strategy=scoped(backend), **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert report.stage == Stage.DISABLED and report.rollbacks == 1
+    reason = report.rollback_reasons[0]
+    assert reason.startswith("step_python: ") and "since the optimizer graph was captured" in reason, reason
+    assert "CUDAGraphCallback alone" in reason, "the fix keeps the optimizer step eager"
+    assert hooked.calls == hooked_eager.calls == STEPS - WARMUP - 3, "the hook ran on every step, as in eager"
+    assert_losses_close(eager.losses, run.losses, TOL)
+    assert max_param_diff(eager.params, run.params) < TOL
+    assert_optimizer_given_back(run.model, backend)

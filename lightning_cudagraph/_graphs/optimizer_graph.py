@@ -23,7 +23,6 @@ from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
 from lightning_cudagraph._graphs.optimizer_update import (
     eager_update_of,
     optimizer_step_replaced,
-    setting_moved,
     state_error,
     unfit_reason,
 )
@@ -51,7 +50,11 @@ class OptimizerGraph:
     def __init__(self, config: CUDAGraphConfig, backend: CaptureBackend, machine: StageMachine) -> None:
         self.config, self.component, self.backend, self.machine = config, config.component, backend, machine
         self.report = machine.report
-        self.optimizers = StepOptimizers(backend)
+        self.optimizers = StepOptimizers(
+            backend,
+            "the optimizer graph",
+            instead="train through CUDAGraphCallback alone, whose optimizer step runs eagerly",
+        )
         self._optimizer: torch.optim.Optimizer | None = None
         self._graph: StepGraph | None = None
         self._params: list[Tensor] = []
@@ -101,7 +104,7 @@ class OptimizerGraph:
         problem = self.optimizers.settings_problem()
         if problem is not None:
             eager_update()
-            self.machine.rollback(setting_moved(problem))
+            self.machine.rollback(problem)
             return
         check_due = self._confirm_left > 0 or self.checks.audit_due()
         grads = [p.grad for p in self._params]  # one pass over the parameters: checked, then copied
@@ -127,9 +130,9 @@ class OptimizerGraph:
     # ------------------------------------------------------------------ capture and its checks
     def _capture(self, module: Any, optimizer: torch.optim.Optimizer, eager_update: Callable[[], Any]) -> None:
         """Capture the update on the gradients of this step, then check its first replay against the eager update."""
-        problem = self.optimizers.settings_problem()
-        if problem is not None:  # it moved during the eager steps: it moves every step, and stays eager
-            self._turn_off(f"optimizer_not_graphed: {problem.partition(' after the whole step')[0]} between steps")
+        moved = self.optimizers.moved()
+        if moved is not None:  # it moved during the eager steps: it moves every step, and stays eager
+            self._turn_off(f"optimizer_not_graphed: {moved[1]} between steps")
             eager_update()
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]

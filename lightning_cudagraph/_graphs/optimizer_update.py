@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_cudagraph._backend.optimizers import unfit_optimizer
 
-__all__ = ["eager_update_of", "optimizer_step_replaced", "setting_moved", "state_error", "unfit_reason"]
+__all__ = ["eager_update_of", "optimizer_step_replaced", "state_error", "unfit_reason"]
 
 
 @contextlib.contextmanager
@@ -36,16 +36,6 @@ def eager_update_of(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     if own is not None:
         return lambda: own()
     return lambda: type(optimizer).step(optimizer)
-
-
-def setting_moved(problem: str) -> str:
-    """``StepOptimizers.settings_problem`` 's reason, said of the optimizer graph."""
-    change = problem.partition(" after the whole step")[0]
-    return (
-        f"{change} after the optimizer graph was captured; a graph replays the optimizer with the settings it was"
-        " captured with (only lr is read from the device). Fix: keep it fixed (OneCycleLR/CyclicLR("
-        "cycle_momentum=False)), or train through CUDAGraphCallback alone, whose optimizer step runs eagerly"
-    )
 
 
 def state_error(moving: list[tuple[Tensor, Tensor]], graph_state: list[Tensor]) -> Tensor:

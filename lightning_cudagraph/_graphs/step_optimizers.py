@@ -16,10 +16,15 @@ from lightning_cudagraph._backend.optimizers import OptimizerSettings, describe_
 
 
 class StepOptimizers:
-    """The optimizers one whole-step driver prepared, and their settings when graphs were captured (or at start)."""
+    """The optimizers one graph of their step prepared, and their settings when it was captured (or at start).
 
-    def __init__(self, backend: CaptureBackend) -> None:
-        self._backend = backend
+    Args:
+        graph: The graph that bakes the optimizer step in, as messages name it.
+        instead: The fix that keeps the optimizer step eager, as messages give it.
+    """
+
+    def __init__(self, backend: CaptureBackend, graph: str, instead: str) -> None:
+        self._backend, self.graph, self.instead = backend, graph, instead
         self.prepared: dict[int, PreparedOptimizer] = {}
         #: The optimizers as the user holds them.
         self.user: list[torch.optim.Optimizer] = []
@@ -34,24 +39,32 @@ class StepOptimizers:
             self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
             self._hooks[id(optimizer)] = step_hooks(optimizer)
 
-    def settings_problem(self) -> str | None:
-        """A rollback reason when an optimizer setting a graph bakes in (all but ``lr``) moved since capture."""
+    def moved(self) -> tuple[str, str] | None:
+        """What moved since the settings were taken, as ``(reason word, what)``: a step hook or a setting."""
         for optimizer in self.user:
             if step_hooks(optimizer) != self._hooks[id(optimizer)]:
-                return (
-                    f"step_python: {describe_step_hooks(optimizer) or 'an optimizer step hook was removed'} since the"
-                    " whole step was captured, and a replay runs no hook. Fix: register hooks before the fit, or use"
-                    " a scoped level (strategy='cudagraph' or scope=['layer']), whose optimizer step runs eagerly"
-                )
+                return "step_python", describe_step_hooks(optimizer) or "an optimizer step hook was removed"
             change = self._settings[id(optimizer)].change(OptimizerSettings.of(optimizer))
             if change is not None:
-                return (
-                    f"optimizer_setting_changed: {type(optimizer).__name__} {change} after the whole step was"
-                    " captured; a graph replays the optimizer with the settings it was captured with (only lr is"
-                    " read from the device). Fix: keep it fixed (OneCycleLR/CyclicLR(cycle_momentum=False)), or"
-                    " use a scoped capture (scope=['layer']), whose optimizer runs eagerly"
-                )
+                return "optimizer_setting_changed", f"{type(optimizer).__name__} {change}"
         return None
+
+    def settings_problem(self) -> str | None:
+        """A rollback reason when what the graph bakes in (hooks, every setting but ``lr``) moved since capture."""
+        moved = self.moved()
+        if moved is None:
+            return None
+        word, what = moved
+        if word == "step_python":
+            return (
+                f"step_python: {what} since {self.graph} was captured, and a replay runs no hook. Fix: register hooks"
+                f" before the fit, or {self.instead}"
+            )
+        return (
+            f"optimizer_setting_changed: {what} after {self.graph} was captured; a graph replays the optimizer with the"
+            " settings it was captured with (only lr is read from the device). Fix: keep it fixed"
+            f" (OneCycleLR/CyclicLR(cycle_momentum=False)), or {self.instead}"
+        )
 
     def captured(self) -> None:
         """A graph was captured: its settings are what later steps are held to."""

@@ -68,7 +68,11 @@ class WholeStepDriver(Driver):
         self.steps: ShapeCache[StepWindow] = self._shape_cache(StepWindow.reset)
         shapes = ShapeDecision(config.on_shape_change, self.steps, machine, config.component)
         self.planner = StepPlanner(machine, shapes)
-        self.optimizers = StepOptimizers(backend)
+        self.optimizers = StepOptimizers(
+            backend,
+            "the whole step",
+            instead="use a scoped level (strategy='cudagraph' or scope=['layer']), whose optimizer step runs eagerly",
+        )
         self.flags = NonFiniteFlags(self.backend.device)
         self.capture = StepCapture(backend, machine, self.flags)
         self.checks = GraphChecks(config.confirm_steps, config.audit_every_n_steps, self.report)
