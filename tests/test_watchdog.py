@@ -88,7 +88,7 @@ def test_a_replay_still_launching_past_the_bound_fires_too() -> None:
 def test_training_that_raises_within_the_grace_period_keeps_the_process_and_gets_the_reason() -> None:
     ended = Ended()
     dog = watchdog([], ended, grace_s=5.0)
-    replays = StepReplays(SimpleNamespace(report=CUDAGraphReport()), None, None, audit_every=None)  # type: ignore[arg-type]
+    replays = StepReplays(SimpleNamespace(report=CUDAGraphReport()), None, None, None)  # type: ignore[arg-type]
     replays.watchdog = dog
 
     class AbortedCollective:
