@@ -116,6 +116,17 @@ class RebindAt(pl.Callback):
             weight.data = weight.data.clone()
 
 
+class StepHookedAt(pl.Callback):
+    """Registers an optimizer step post-hook at the start of step ``step``; ``calls`` counts the steps it ran on."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
 class StepCounter(pl.Callback):
     """Counts the training batches that started (zero when the fit failed before training)."""
 

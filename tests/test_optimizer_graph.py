@@ -17,7 +17,16 @@ from torch import nn
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from lightning_cudagraph._backend.backend import StepGraph
 from tests.fake_backend import FakeBackend
-from tests.helpers import RaiseAtStep, assert_losses_close, dense_audits, fit, graph_callback, max_param_diff, trainer
+from tests.helpers import (
+    RaiseAtStep,
+    StepHookedAt,
+    assert_losses_close,
+    dense_audits,
+    fit,
+    graph_callback,
+    max_param_diff,
+    trainer,
+)
 from tests.models import TINY, DecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -343,17 +352,6 @@ def test_a_skipped_batch_runs_the_optimizer_step_as_eager_does_and_the_graph_ser
     params = {name: p.detach().clone() for name, p in skipping.named_parameters()}
     assert max_param_diff({n: p.detach() for n, p in eager.named_parameters()}, params) < TOL
     assert_optimizer_given_back(skipping, backend)
-
-
-class StepHookedAt(pl.Callback):
-    """Registers an optimizer step post-hook at the start of one step, and counts the steps it ran on."""
-
-    def __init__(self, step: int) -> None:
-        self.step, self.calls = step, 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "calls", self.calls + 1))
 
 
 def test_a_step_hook_added_after_the_update_is_captured_rolls_back_naming_the_optimizer_graph():

@@ -24,7 +24,7 @@ import torch
 
 from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
 from tests.fake_backend import FakeBackend
-from tests.helpers import LEVEL_MS, graph_callback, parameters_of, timed_by_level, trainer
+from tests.helpers import LEVEL_MS, StepHookedAt, graph_callback, parameters_of, timed_by_level, trainer
 from tests.models import TINY, TINY_DATA, DecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -470,19 +470,8 @@ def test_the_examples_gpt_captures_whole_with_its_logs():
     assert report.steps_replayed >= 24 - 3 - 2
 
 
-class StepHookedLater(pl.Callback):
-    """Registers an optimizer step post-hook once the whole step replays."""
-
-    def __init__(self, step: int) -> None:
-        self.step, self.calls = step, 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.step:
-            trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "calls", self.calls + 1))
-
-
 def test_an_optimizer_step_hook_added_after_capture_rolls_back_before_a_replay_skips_it():
-    hooked = StepHookedLater(6)
+    hooked = StepHookedAt(6)
     outcome = run_case(Case(Constant, callbacks=lambda: [hooked]), "cudagraph_full")
     assert outcome.report.stage == Stage.DISABLED and "hook" in outcome.report.reason, outcome.report.reason
     assert hooked.calls == STEPS - 6, "the hook ran on every step from its registration, as without the package"
