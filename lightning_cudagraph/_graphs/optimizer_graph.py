@@ -101,10 +101,10 @@ class OptimizerGraph:
         if self._graph is None:
             self._capture(module, optimizer, eager_update)
             return
-        problem = self.optimizers.settings_problem()
-        if problem is not None:
+        moved = self.optimizers.moved()
+        if moved is not None:
             eager_update()
-            self.machine.rollback(problem)
+            self.machine.rollback(self.optimizers.reason(moved))
             return
         check_due = self._confirm_left > 0 or self.checks.audit_due()
         grads = [p.grad for p in self._params]  # one pass over the parameters: checked, then copied

@@ -49,11 +49,8 @@ class StepOptimizers:
                 return "optimizer_setting_changed", f"{type(optimizer).__name__} {change}"
         return None
 
-    def settings_problem(self) -> str | None:
-        """A rollback reason when what the graph bakes in (hooks, every setting but ``lr``) moved since capture."""
-        moved = self.moved()
-        if moved is None:
-            return None
+    def reason(self, moved: tuple[str, str]) -> str:
+        """The rollback reason of what :meth:`moved` since capture (a graph bakes in hooks and every setting but lr)."""
         word, what = moved
         if word == "step_python":
             return (

@@ -128,9 +128,9 @@ class WholeStepDriver(Driver):
             return output
         module = trainer.lightning_module
         # A micro-batch that only accumulates has no optimizer step in its graph: no setting of it to hold.
-        problem = self.optimizers.settings_problem() if plan.position.place.steps else None
-        if problem is not None:  # a setting moved during the warmup steps (it moves every step) or since capture
-            self.machine.rollback(problem)
+        moved = self.optimizers.moved() if plan.position.place.steps else None
+        if moved is not None:  # a setting moved during the warmup steps (it moves every step) or since capture
+            self.machine.rollback(self.optimizers.reason(moved))
             return run_eagerly(run_step)
         if isinstance(plan, CaptureStep):
             # Everything the step changes, copied before the capture: a capture that is not kept puts it back, and
