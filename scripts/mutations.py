@@ -692,6 +692,13 @@ MUTATIONS: list[Mutation] = [
         "tests/test_trust.py::test_audits_start_dense_after_a_capture_and_thin_out_to_the_interval",
     ),
     m(
+        "_graphs/confirmation.py",
+        "        graph_set.entries[indices[self._turn % len(indices)]].parity_checked = False",
+        "        graph_set.entries[indices[0]].parity_checked = False",
+        "the audits check the first region only: a later region gone wrong trains on until the fit ends",
+        "tests/test_trust.py::test_every_region_takes_its_turn_in_the_audits_so_the_last_one_gone_wrong_is_caught",
+    ),
+    m(
         "_rollout/level_failure.py",
         "        return _step_down(ladder, reason, component)",
         "        return None",

@@ -305,6 +305,23 @@ def test_scoped_graphs_are_audited_round_robin_and_a_region_gone_wrong_is_caught
     assert callback.report.exclusions or callback.report.rollbacks, "the audit did not notice"
 
 
+def test_every_region_takes_its_turn_in_the_audits_so_the_last_one_gone_wrong_is_caught():
+    backend = FakeBackend()
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, audit_every_n_steps=2)
+    callback.capture_backend = backend
+
+    class CorruptLast(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == WARMUP + 3:  # confirmed by now: only the audits can see it
+                backend.regions[-1]._distort = 1.5
+
+    with pytest.warns(UserWarning, match="parity"):
+        fit(*decoder(TINY), 16, [callback, CorruptLast()], **CPU)
+    last = backend.regions[-1].name
+    assert list(callback.report.exclusions) == [last], "the audits never checked the last region"
+    assert callback.report.stage == Stage.REPLAYING, "the other region keeps its graph"
+
+
 def test_audits_start_dense_after_a_capture_and_thin_out_to_the_interval():
     steps, every = 40, 16
     run = fit(*decoder(TINY), steps, strategy=whole_step(audit_every_n_steps=every), **CPU)
