@@ -692,6 +692,13 @@ MUTATIONS: list[Mutation] = [
         "tests/test_trust.py::test_audits_start_dense_after_a_capture_and_thin_out_to_the_interval",
     ),
     m(
+        "_graphs/optimizer_graph.py",
+        "        if not self.machine.agreement.all_ok(value is None or value <= OPTIMIZER_TOL):",
+        "        if False:",
+        "a wrong optimizer graph passes its check: replayed updates train on a stale gradient or a frozen setting",
+        "tests/test_optimizer_graph.py::test_a_wrong_optimizer_graph_rolls_back_at_its_first_check_and_never_trains",
+    ),
+    m(
         "_graphs/confirmation.py",
         "        graph_set.entries[indices[self._turn % len(indices)]].parity_checked = False",
         "        graph_set.entries[indices[0]].parity_checked = False",
