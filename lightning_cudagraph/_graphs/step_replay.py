@@ -22,7 +22,7 @@ from lightning_cudagraph._trust.stages import StageMachine
 
 
 class StepReplays:
-    """Replays captured whole steps, and checks them with shadow steps when ``checks`` says one is due."""
+    """Replays captured whole steps, and checks them with shadow steps, each counted in ``checks``."""
 
     def __init__(
         self, machine: StageMachine, optimizers: StepOptimizers, flags: NonFiniteFlags, checks: GraphChecks
