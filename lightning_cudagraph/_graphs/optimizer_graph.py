@@ -132,7 +132,7 @@ class OptimizerGraph:
         """Capture the update on the gradients of this step, then check its first replay against the eager update."""
         moved = self.optimizers.moved()
         if moved is not None:  # it moved during the eager steps: it moves every step, and stays eager
-            self._turn_off(f"optimizer_not_graphed: {moved[1]} between steps")
+            self._turn_off(f"optimizer_not_graphed: {moved.what} between steps")
             eager_update()
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -7,12 +7,19 @@ that moves after the capture is a rollback reason. Checkpoints keep the optimize
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from lightning_cudagraph._backend.backend import CaptureBackend, PreparedOptimizer
 from lightning_cudagraph._backend.optimizers import OptimizerSettings, describe_step_hooks, step_hooks
+
+
+class Moved(NamedTuple):
+    """What moved since a graph of the optimizer step was captured: a step hook (``hook``) or a setting."""
+
+    hook: bool
+    what: str
 
 
 class StepOptimizers:
@@ -39,20 +46,20 @@ class StepOptimizers:
             self._settings[id(optimizer)] = OptimizerSettings.of(optimizer)
             self._hooks[id(optimizer)] = step_hooks(optimizer)
 
-    def moved(self) -> tuple[str, str] | None:
-        """What moved since the settings were taken, as ``(reason word, what)``: a step hook or a setting."""
+    def moved(self) -> Moved | None:
+        """What moved since the settings were taken: a step hook or a setting (``None``: nothing)."""
         for optimizer in self.user:
             if step_hooks(optimizer) != self._hooks[id(optimizer)]:
-                return "step_python", describe_step_hooks(optimizer) or "an optimizer step hook was removed"
+                return Moved(hook=True, what=describe_step_hooks(optimizer) or "an optimizer step hook was removed")
             change = self._settings[id(optimizer)].change(OptimizerSettings.of(optimizer))
             if change is not None:
-                return "optimizer_setting_changed", f"{type(optimizer).__name__} {change}"
+                return Moved(hook=False, what=f"{type(optimizer).__name__} {change}")
         return None
 
-    def reason(self, moved: tuple[str, str]) -> str:
+    def reason(self, moved: Moved) -> str:
         """The rollback reason of what :meth:`moved` since capture (a graph bakes in hooks and every setting but lr)."""
-        word, what = moved
-        if word == "step_python":
+        what = moved.what
+        if moved.hook:
             return (
                 f"step_python: {what} since {self.graph} was captured, and a replay runs no hook. Fix: register hooks"
                 f" before the fit, or {self.instead}"
