@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_cudagraph._options.config import config_error
+from lightning_cudagraph._options.normalization import plain
 
 
 def bucket_length(length: int, buckets: Sequence[int] | None = None, multiple: int | None = None) -> int:
@@ -26,6 +27,7 @@ def bucket_length(length: int, buckets: Sequence[int] | None = None, multiple: i
         >>> bucket_length(70, buckets=[64, 128, 256]), bucket_length(70, multiple=32)
         (128, 96)
     """
+    buckets, multiple = _plain_lengths(buckets), plain(multiple)
     if buckets is not None:
         index = bisect.bisect_left(buckets, length)
         if index == len(buckets):
@@ -55,8 +57,11 @@ class PadToBucket:
     Args:
         buckets: Allowed lengths, e.g. ``[64, 128, 256, 512]``.
         multiple: Or pad to a multiple of this (like Hugging Face's ``pad_to_multiple_of``).
-        pad_values: The pad value per field (a key of mapping samples, or a position of sequence samples); 0 for
-            the others. Labels the loss ignores are usually ``-100``.
+        pad_values: The pad value per field (a key of mapping samples, a position of sequence samples, or ``0`` for
+            samples that are single tensors); 0 for the others. Labels the loss ignores are usually ``-100``.
+
+    NumPy values (``np.array([64, 128])``, ``np.int64(64)``) are taken as the Python numbers they hold. A field that
+    holds ``None`` in a sample is refused, naming the field and the sample.
 
     Example:
         >>> import torch
@@ -74,6 +79,9 @@ class PadToBucket:
         multiple: int | None = None,
         pad_values: Mapping[Any, float | int] | None = None,
     ) -> None:
+        buckets, multiple = _plain_lengths(buckets), plain(multiple)
+        if pad_values is not None and isinstance(pad_values, Mapping):
+            pad_values = {plain(key): plain(value) for key, value in pad_values.items()}
         if (buckets is None) == (multiple is None):
             raise config_error(
                 "PadToBucket", "buckets/multiple", (buckets, multiple), "exactly one of them", "pass buckets=[...]"
@@ -131,7 +139,8 @@ class PadToBucket:
             )
         first = samples[0]
         if isinstance(first, Tensor):  # bare token tensors: one field
-            return self._stack([{0: sample} for sample in samples], [0])[0]
+            self._check_bare_pad_keys(first)
+            return self._stack([{0: sample} for sample in samples], [0], bare=True)[0]
         fields = list(first) if isinstance(first, Mapping) else list(range(len(first)))
         self._check_pad_keys(first, fields)
         for index, sample in enumerate(samples):
@@ -147,19 +156,22 @@ class PadToBucket:
         values = [padded[i] for i in fields]
         return type(first)(*values) if hasattr(first, "_fields") else type(first)(values)
 
-    def _stack(self, samples: Sequence[Any], fields: list[Any]) -> dict[Any, Any]:
+    def _stack(self, samples: Sequence[Any], fields: list[Any], bare: bool = False) -> dict[Any, Any]:
         """Each field of ``samples`` padded to the batch's bucket and stacked (strings kept as a list)."""
         text = {name for name in fields if isinstance(samples[0][name], str)}
-        tensors = [name for name in fields if name not in text]
-        longest = max((_length(sample[name]) for sample in samples for name in tensors), default=0)
+        tensors = {
+            name: [_tensor(sample[name], name, index, bare) for index, sample in enumerate(samples)]
+            for name in fields
+            if name not in text
+        }
+        longest = max((_length(tensor) for values in tensors.values() for tensor in values), default=0)
         length = bucket_length(longest, self.buckets, self.multiple)
         stacked: dict[Any, Any] = {name: [sample[name] for sample in samples] for name in text}
-        for name in tensors:
-            stacked[name] = torch.stack([self._pad(sample[name], name, length) for sample in samples])
+        for name, values in tensors.items():
+            stacked[name] = torch.stack([self._pad(tensor, name, length) for tensor in values])
         return {name: stacked[name] for name in fields}
 
-    def _pad(self, value: Any, name: Any, length: int) -> Tensor:
-        tensor = torch.as_tensor(value)
+    def _pad(self, tensor: Tensor, name: Any, length: int) -> Tensor:
         if tensor.dim() == 0:
             return tensor
         pad = self.pad_values.get(name, 0)
@@ -173,6 +185,22 @@ class PadToBucket:
             )
         filler = tensor.new_full((length - tensor.shape[0], *tensor.shape[1:]), pad)
         return torch.cat([tensor, filler])
+
+    def _check_bare_pad_keys(self, first: Tensor) -> None:
+        """Samples that are single tensors have one field, position 0: any other ``pad_values`` key would be ignored."""
+        unknown = [key for key in self.pad_values if key != 0]
+        if not unknown:
+            return
+        value = self.pad_values[unknown[0]]
+        raise config_error(
+            "PadToBucket",
+            "pad_values",
+            self.pad_values,
+            f"only the key 0 for samples that are single tensors (these are {first.dtype} tensors of shape"
+            f" {list(first.shape)}: one field, so a key such as {unknown[0]!r} names nothing and would be ignored)",
+            f"pass pad_values={{0: {value!r}}} to pad them with {value!r}, or have the Dataset return a dict (e.g."
+            " {'input_ids': ..., 'labels': ...}) to pad its fields with different values",
+        )
 
     def _check_pad_keys(self, first: Any, fields: list[Any]) -> None:
         unknown = [key for key in self.pad_values if key not in fields]
@@ -203,6 +231,36 @@ def _whole(value: Any) -> Any:
         return value
 
 
-def _length(value: Any) -> int:
-    tensor = torch.as_tensor(value)
+def _plain_lengths(lengths: Any) -> Any:
+    """``buckets=`` with NumPy arrays and scalars as the Python lists and numbers they hold."""
+    lengths = plain(lengths)
+    return [plain(length) for length in lengths] if isinstance(lengths, (list, tuple)) else lengths
+
+
+def _tensor(value: Any, name: Any, index: int, bare: bool) -> Tensor:
+    """A sample's field as a tensor, or a ``ValueError`` naming the field and the sample (``None``, a dict...)."""
+    where = f"samples[{index}]" if bare else f"samples[{index}][{name!r}]"
+    if value is None:
+        what = f"sample {index}" if bare else f"field {name!r} of sample {index}"
+        raise config_error(
+            "PadToBucket",
+            where,
+            None,
+            "tensors, numbers, lists of numbers, or strings in every sample",
+            f"{what} is None; give it a value in the Dataset (e.g. a tensor of -100 labels the loss ignores), or drop"
+            f" the field from every sample; a sample without it cannot be stacked with the others",
+        )
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise config_error(
+            "PadToBucket",
+            where,
+            value,
+            "tensors, numbers, lists of numbers, or strings in every sample",
+            f"make it a tensor or a list of numbers in the Dataset (torch.as_tensor says: {error})",
+        ) from error
+
+
+def _length(tensor: Tensor) -> int:
     return tensor.shape[0] if tensor.dim() else 0

@@ -30,7 +30,10 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
     are refused: each region would hold its own unsharded copy of the parameters it reads. ``scope="auto"``
     therefore tries the whole step alone and keeps it where it is faster than eager. Gradient accumulation is
     refused until FSDP2's gradient-sync toggles are captured. Registered as ``fsdp2_cudagraph`` (``scope="auto"``)
-    and ``fsdp2_cudagraph_full``, both with every rank data-parallel (``tensor_parallel_size=1``).
+    and ``fsdp2_cudagraph_full``, both with every rank data-parallel (``tensor_parallel_size=1``). LightningCLI takes
+    options with the class only (a registered name is a plain string there), e.g.
+    ``--trainer.strategy=ModelParallelCUDAGraphStrategy --trainer.strategy.scope=[full_iteration]
+    --trainer.strategy.tensor_parallel_size=1 --trainer.strategy.replay_timeout_s=600``.
 
     Args:
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
@@ -84,13 +87,14 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
             (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
             ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
             :mod:`lightning_cudagraph._backend.compiling`.
-        data_parallel_size: See :class:`~lightning.pytorch.strategies.ModelParallelStrategy`; ``"auto"`` with an integer
+        data_parallel_size: As for Lightning's ``ModelParallelStrategy``; ``"auto"`` with an integer
             ``tensor_parallel_size`` makes every other rank data-parallel.
-        tensor_parallel_size: See :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        tensor_parallel_size: As for Lightning's ``ModelParallelStrategy``.
         replay_timeout_s: Seconds a replayed whole step may run before the replay watchdog names this rank and the
             step, aborts the process groups and ends the process (collectives inside a graph escape NCCL's own
             watchdog). ``None``: 100 eager steps, at least 2 minutes.
-        **kwargs: Passed to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        **kwargs: Passed to Lightning's ``ModelParallelStrategy``; a keyword it does not take
+            is refused here, with the closest name.
 
     Example::
 
@@ -101,7 +105,7 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
 
     supports_scoped_graphs = False
 
-    @checks_keywords
+    @checks_keywords(passes_on=(ModelParallelStrategy,))
     def __init__(
         self,
         *,
@@ -127,7 +131,8 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
         tensor_parallel_size: Literal["auto"] | int = "auto",
         **kwargs: Any,
     ) -> None:
-        if compile is not False:  # before the options' own rules, which would offer scopes FSDP2 refuses
+        # Refused before the options' own rules, which would offer scopes FSDP2 refuses; None is off, as everywhere.
+        if compile is not False and compile is not None:
             raise config_error(
                 type(self).__name__,
                 "compile",

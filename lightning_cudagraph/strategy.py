@@ -13,6 +13,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_cudagraph._backend.capture import warn_on_grad_stream_mismatch
@@ -26,7 +27,7 @@ __all__ = ["CUDAGraphStrategy", "DDPCUDAGraphStrategy"]
 
 
 class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
-    """Single-device training with CUDA graphs; takes the options of :class:`~lightning_cudagraph.CUDAGraphCallback`.
+    """Single-device training with CUDA graphs; takes the options of ``CUDAGraphCallback``.
 
     Registered names pick the scope as a Trainer flag: ``cudagraph`` (``scope="auto"``), ``cudagraph_attn``,
     ``cudagraph_mlp``, ``cudagraph_attn_mlp``, ``cudagraph_layer`` and ``cudagraph_full`` (the whole training step).
@@ -36,9 +37,9 @@ class CUDAGraphStrategy(CUDAGraphStrategyBase, SingleDeviceStrategy):
 
     Args:
         device: The device to train on; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
-        accelerator: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
-        checkpoint_io: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
-        precision_plugin: See :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        accelerator: As for Lightning's ``SingleDeviceStrategy``.
+        checkpoint_io: As for Lightning's ``SingleDeviceStrategy``.
+        precision_plugin: As for Lightning's ``SingleDeviceStrategy``.
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
             ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
         scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package's
@@ -161,7 +162,10 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
 
     Scoped graphs keep DDP's gradient all-reduce outside the graphs. With ``scope=["full_iteration"]`` the
     all-reduce is captured inside the step graph: DDP is built on the package's side stream, and at least 11 eager
-    warmup steps are required (NCCL's requirement). Registered as ``ddp_cudagraph`` and ``ddp_cudagraph_full``.
+    warmup steps are required (NCCL's requirement). Registered as ``ddp_cudagraph`` and ``ddp_cudagraph_full``; as
+    for the single-device names, LightningCLI takes options with the class only, e.g.
+    ``--trainer.strategy=DDPCUDAGraphStrategy --trainer.strategy.scope=[full_iteration]
+    --trainer.strategy.warmup_steps=11 --trainer.strategy.replay_timeout_s=600``.
 
     Args:
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
@@ -218,7 +222,9 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         replay_timeout_s: Seconds a replayed whole step may run before the replay watchdog names this rank and the
             step, aborts the process groups and ends the process (collectives inside a graph escape NCCL's own
             watchdog). ``None``: 100 eager steps, at least 2 minutes.
-        **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **kwargs: Passed to Lightning's ``DDPStrategy`` (its own keywords, and those of
+            ``torch.nn.parallel.DistributedDataParallel``); a keyword neither takes is refused here, with the closest
+            name.
 
     Example::
 
@@ -227,7 +233,13 @@ class DDPCUDAGraphStrategy(CUDAGraphStrategyBase, DDPStrategy):
         True
     """
 
-    @checks_keywords
+    @checks_keywords(
+        passes_on=(DDPStrategy, DistributedDataParallel),
+        reserved={
+            "module": "drop it: Lightning wraps the LightningModule in DistributedDataParallel itself",
+            "device_ids": "drop it: Lightning passes each process's device itself (Trainer(devices=...) picks them)",
+        },
+    )
     def __init__(
         self,
         *,

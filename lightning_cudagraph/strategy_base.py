@@ -28,6 +28,7 @@ from lightning_cudagraph._lightning import (
 )
 from lightning_cudagraph._options.config import CUDAGraphConfig, config_error
 from lightning_cudagraph._options.environment import ensure_graph_safe_allocator
+from lightning_cudagraph._options.normalization import plain
 from lightning_cudagraph._rollout.rollout import Rollout
 from lightning_cudagraph.callback import CUDAGraphCallback
 
@@ -55,6 +56,7 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
     replay_timeout_s: float | None = None
 
     def _init_graph_options(self, config: CUDAGraphConfig, replay_timeout_s: float | None = None) -> None:
+        replay_timeout_s = plain(replay_timeout_s)  # np.float32(600) as 600.0
         seconds = isinstance(replay_timeout_s, (int, float)) and not isinstance(replay_timeout_s, bool)
         if replay_timeout_s is not None and not (seconds and replay_timeout_s > 0):
             raise config_error(

@@ -60,6 +60,9 @@ HANG_S = 150
 #: The replay watchdog's bound in the stall cases; its grace period is set to :data:`WATCHDOG_GRACE_S` for them.
 WATCHDOG_S = 3.0
 WATCHDOG_GRACE_S = 2.0
+#: A bound far below one replayed step (``replay_timeout_s`` meant in minutes), and how long each fake replay takes.
+TINY_BOUND_S = 0.01
+SLOW_REPLAY_S = 0.2
 #: Eager steps before the first capture of a scoped case.
 WARMUP = 2
 #: ``scope="auto"``: warmup, then per scoped level capture and parity, one graphed confirmation step and the timed
@@ -79,10 +82,12 @@ class LateStepFailure(FakeBackend):
     Attributes:
         fail_step_late: Raised by whole-step captures, after the step ran.
         stall_at_replay: The whole step's replay of this number (from 1) never returns.
+        slow_replay_s: Each replay of the whole step takes this much longer (a healthy step slower than the bound).
     """
 
     fail_step_late: Exception | None = None
     stall_at_replay: int | None = None
+    slow_replay_s: float | None = None
 
     def capture_step(self, body: Callable[[], None]) -> Any:
         """Capture as :class:`FakeBackend` does; then drop the graph and raise ``fail_step_late``, if set."""
@@ -92,6 +97,8 @@ class LateStepFailure(FakeBackend):
             raise self.fail_step_late
         if self.stall_at_replay is not None:
             graph.replay = _stalling(graph.replay, self.stall_at_replay)
+        if self.slow_replay_s is not None:
+            graph.replay = _slowed(graph.replay, self.slow_replay_s)
         return graph
 
 
@@ -108,6 +115,16 @@ def _stalling(replay: Callable[[], None], at: int) -> Callable[[], None]:
         replay()
 
     return stalled
+
+
+def _slowed(replay: Callable[[], None], seconds: float) -> Callable[[], None]:
+    """``replay``, ``seconds`` longer: a healthy step that takes that long on the host (gloo replays block there)."""
+
+    def slow() -> None:
+        time.sleep(seconds)
+        replay()
+
+    return slow
 
 
 @dataclass(frozen=True)
@@ -216,6 +233,15 @@ CASES: dict[str, Case] = {
         _fails_on_rank_1(stall_at_replay=3),
         max_steps=16,
         replay_timeout_s=WATCHDOG_S,
+    ),
+    # DDP: every replay on both ranks takes SLOW_REPLAY_S, far above replay_timeout_s: the bound is raised to the
+    # floor of measured steps and the fit ends healthy. Its replays outlast the grace period (a bound that fired
+    # would end the processes).
+    "ddp_tiny_bound": Case(
+        {"scope": ["full_iteration"], "warmup_steps": 11},
+        {0: lambda: {"slow_replay_s": SLOW_REPLAY_S}, 1: lambda: {"slow_replay_s": SLOW_REPLAY_S}},
+        max_steps=32,
+        replay_timeout_s=TINY_BOUND_S,
     ),
     # Not run by the tests: FakeBackend's own ``fail_step`` on rank 1. Rank 0's fake capture runs the step and its
     # gradient all-reduce, rank 1 raises before it and goes to the capture agreement: the collectives pair up wrongly

@@ -227,6 +227,8 @@ class Case:
     warmup_steps: int = WARMUP
     #: Whether a scoped level can keep its graphs (a hook inside a captured layer cannot: the graph holds the layer).
     scoped_keeps_graphs: bool = True
+    #: Options of the Trainer (``gradient_clip_val``).
+    trainer_options: dict[str, Any] = field(default_factory=dict)
 
 
 CASES = {
@@ -261,25 +263,33 @@ class Outcome:
     report: Any = None
 
 
-def run_case(case: Case, variant: str | None) -> Outcome:
-    """Fit ``case`` eagerly (``variant=None``) or through one of the package's ways in, on the strict fake backend."""
+def run_case(case: Case, variant: str | None, cuda: bool = False) -> Outcome:
+    """Fit ``case`` eagerly (``variant=None``) or through one of the package's ways in.
+
+    On the strict fake backend, or with real CUDA graphs on a GPU (``cuda``).
+    """
     model, data = decoder(TINY, case.module, **{**TINY_DATA, **case.options})
     observed = Observed()
     callbacks: list[pl.Callback] = [observed, *case.callbacks()]
     options: dict[str, Any] = {}
+
+    def backend(**timing: Any) -> Any:
+        return None if cuda else FakeBackend(**timing)
+
     if variant == "cudagraph_full":
         strategy = CUDAGraphStrategy(scope=["full_iteration"], warmup_steps=case.warmup_steps)
-        strategy.capture_backend = FakeBackend()
+        strategy.capture_backend = backend()
         options["strategy"] = strategy
     elif variant == "cudagraph":
         strategy = CUDAGraphStrategy(warmup_steps=case.warmup_steps)
-        strategy.capture_backend = FakeBackend(step_ms=timed_by_level(LEVEL_MS))
+        strategy.capture_backend = backend(step_ms=timed_by_level(LEVEL_MS))
         options["strategy"] = strategy
     elif variant == "layer":
         callback = CUDAGraphCallback(scope=["layer"], warmup_steps=case.warmup_steps)
-        callback.capture_backend = FakeBackend()
+        callback.capture_backend = backend()
         callbacks.append(callback)
-    fit = trainer(STEPS, callbacks, **options, **CPU)
+    device = {"accelerator": "cuda", "devices": 1} if cuda else CPU
+    fit = trainer(STEPS, callbacks, **options, **case.trainer_options, **device)
     fit.fit(model, data)
     report = graph_callback(fit).report if variant is not None else None
     return Outcome(observed.losses, observed.logged, parameters_of(model), case.state(model), report)

@@ -512,8 +512,10 @@ class PythonStep(ZooModule):
     ``kind``: ``"skip"`` (every fourth batch returns ``None``), ``"annealed"`` (a loss weight read from
     ``self.global_step``), ``"epoch_branch"`` (an L2 term from the second epoch on), ``"outputs_counter"`` (the
     losses appended to a list read in ``on_train_epoch_end``, and a call counter), ``"random"`` (an input flip drawn
-    from Python's ``random``) or ``"flag"`` (an L2 term while ``self.regularize`` is set, which :class:`FlagFlipper`
-    turns on from the second epoch). The Python state a user would read
+    from Python's ``random``), ``"flag"`` (an L2 term while ``self.regularize`` is set, which :class:`FlagFlipper`
+    turns on from the second epoch), ``"lr_warmup"`` (Lightning's documented warm-up: ``optimizer_step`` writes the
+    param groups' ``lr`` as a number) or ``"temperature"`` (the loss divided by ``self.temperature``, which
+    :class:`TemperatureAt` sets in the middle of the second epoch). The Python state a user would read
     after the fit (the counter, the epoch means) is copied into the buffer ``python_state``, which the zoo compares.
     """
 
@@ -522,6 +524,7 @@ class PythonStep(ZooModule):
         self.kind = kind
         self.calls = 0
         self.regularize = False
+        self.temperature = 1.0
         self.epoch_outputs: list[Tensor] = []
         self.epoch_means: list[float] = []
         self.register_buffer("python_state", torch.zeros(16, dtype=torch.float64))
@@ -542,8 +545,17 @@ class PythonStep(ZooModule):
         elif self.kind == "outputs_counter":
             self.calls += 1
             self.epoch_outputs.append(loss.detach())
+        elif self.kind == "temperature":
+            loss = loss / self.temperature
         self.log("train_loss", loss)
         return loss
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        if self.kind == "lr_warmup" and self.trainer.global_step < WARMUP_STEPS:
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-3 * (self.trainer.global_step + 1) / WARMUP_STEPS
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -561,6 +573,19 @@ class PythonStep(ZooModule):
         self.python_state[: len(values)] = torch.tensor(values, dtype=torch.float64)
 
 
+#: Optimizer steps of :class:`PythonStep`'s ``"lr_warmup"``.
+WARMUP_STEPS = 50
+
+
+class TemperatureAt(pl.Callback):
+    """A user's callback that sets the module's ``temperature`` to 2 in the middle of the second epoch (step 12)."""
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 12:
+            pl_module.temperature = 2.0
+
+
 class FlagFlipper(pl.Callback):
     """A user's callback that turns the module's ``regularize`` flag on from the second epoch."""
 
@@ -575,7 +600,7 @@ def build_python_step(kind: str) -> Callable[[BuildContext], Built]:
     def build(ctx: BuildContext) -> Built:
         inputs, labels = _device_tensors(ctx, 16 * 8)
         loader = DataLoader(TensorDataset(inputs, labels), batch_size=16, shuffle=False)
-        callbacks: list[pl.Callback] = [FlagFlipper()] if kind == "flag" else []
+        callbacks: list[pl.Callback] = {"flag": [FlagFlipper()], "temperature": [TemperatureAt()]}.get(kind, [])
         return Built(PythonStep(kind), loader, [inputs, labels], callbacks)
 
     return build
@@ -737,6 +762,10 @@ ENTRIES: tuple[Entry, ...] = (
           layer_modules="net.*"),
     Entry("python_callback_flag", (), "a callback sets a flag the step reads, from the second epoch",
           build_python_step("flag"), layer_modules="net.*"),
+    Entry("python_lr_warmup", (), "Lightning's documented warm-up: optimizer_step writes the param groups' lr",
+          build_python_step("lr_warmup"), layer_modules="net.*"),
+    Entry("python_temperature_mid_epoch", (), "a callback sets a loss temperature the step reads, mid-epoch",
+          build_python_step("temperature"), layer_modules="net.*"),
     Entry("device_batch_views", (), "batches are views of a device dataset, 8 epochs", build_device_views,
           layer_modules="net.*"),
     Entry("gpt2_onecycle_clip", HF, "OneCycleLR (betas cycle) + gradient_clip_val=1.0", build_gpt2_onecycle, clip=1.0),

@@ -146,6 +146,7 @@ class OptimizerGraph:
             self._static_grads = [g.detach().clone() for g in grads]
         real = [p.grad for p in params]
         state = TrainingState.take(module, [optimizer], self.backend.device)
+        self.optimizers.refresh()  # a rate written as a number since the last step is the graph's input, not a constant
         started, error = time.perf_counter(), None
         try:
             for p, static in zip(with_grad, self._static_grads, strict=True):

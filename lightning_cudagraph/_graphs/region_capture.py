@@ -3,6 +3,8 @@
 A pass captures the planned calls in execution order into one pool; every rank agrees its outcome. A pass that fails
 as a whole rolls back. A region that fails is left eager (under ``scope="auto"`` a layer gives way to its parts), and
 the pass runs again without it into a new pool: the allocator cannot capture into a pool after a failed capture.
+A pass runs the regions' Python several times (warmup iterations, capture): what it changed, the random generators kept
+on the regions' modules included, is put back; a region that drew from one fails, since its graph would hold the draw.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from lightning_cudagraph._backend.backend import (
 )
 from lightning_cudagraph._graphs.regions import RegionSet
 from lightning_cudagraph._options.config import CUDAGraphConfig
-from lightning_cudagraph._options.hooks import hooks_stashed, inner_hook_count
+from lightning_cudagraph._options.hooks import global_hooks_warning, hooks_stashed, inner_hook_count
 from lightning_cudagraph._options.scopes import Target
 from lightning_cudagraph._trust.capture_hints import capture_failure
 from lightning_cudagraph._trust.evidence import MetricUpdates
@@ -44,6 +46,8 @@ class NarrowingCapture:
         self.metrics = MetricUpdates([])
         #: The metrics inside the regions that the last pass updated (warmup iterations and capture; then put back).
         self.updated: list[str] = []
+        #: The generators held inside each region that the last pass drew from (then put back).
+        self.drew: dict[str, list[str]] = {}
 
     def capture(
         self,
@@ -77,7 +81,7 @@ class NarrowingCapture:
         modules = [call.module for call in calls]
         self.metrics = MetricUpdates((call.name, call.module) for call in calls)
         # Capture warmup iterations and the capture run the regions' Python: metric updates and counters are put back.
-        before = [TrainingState.take(module) for module in {id(m): m for m in modules}.values()]
+        before = {id(module): TrainingState.take(module) for module in modules}
         error: Exception | None = None
         started = time.perf_counter()
         try:
@@ -90,8 +94,12 @@ class NarrowingCapture:
         finally:
             self.machine.report.capture_ms_total += (time.perf_counter() - started) * 1e3
             self.updated = self.metrics.changed()
-            for state in before:
+            # A draw the warmup steps did not show (a condition they could not see): the graph would hold it.
+            self.drew = {call.name: drew for call in calls if (drew := before[id(call.module)].drawn())}
+            for state in before.values():
                 state.restore()
+        for name in self.drew.keys() - captured.failed.keys():
+            captured.failed[name] = RuntimeError(f"its forward drew from {', '.join(self.drew[name])}")
         # One collective: did the pass fail as a whole on any rank, and which regions failed on any rank.
         whole, *agreed = self.machine.agreement.any_of([error is not None, *(c.name in captured.failed for c in calls)])
         if whole:
@@ -140,6 +148,12 @@ class NarrowingCapture:
                 " Fix: update metrics in training_step or on_train_batch_end from the step's outputs, outside the"
                 " captured modules"
             )
+        if name in self.drew:
+            return (
+                f"step_python: its forward drew from {', '.join(self.drew[name])} while it was captured, which a graph"
+                " would freeze (a replay draws nothing). Fix: draw with torch on the device (torch.rand(...,"
+                " device=x.device)), which a replay draws anew"
+            )
         return capture_failure(error, self.regions.targets[self.regions.index[name]].module)
 
     def _failed(self, error: Exception) -> None:
@@ -150,6 +164,8 @@ def say_what_stays_eager(component: str, targets: Sequence[Target], skipped: dic
     """Before a capture: the targets left out of it, and hooks inside captured regions (they fire in eager steps)."""
     for name, why in skipped.items():
         rank_zero_info(f"{component}: {name} stays eager: {why}")
+    if note := global_hooks_warning(component, [target.name for target in targets]):
+        rank_zero_warn(note)
     for target in targets:
         hooks = inner_hook_count(target.module)
         if hooks:

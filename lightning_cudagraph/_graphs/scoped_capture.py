@@ -18,10 +18,17 @@ from lightning_cudagraph._graphs.routing import CallRouter, GraphSet, ReplayEntr
 from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.evidence import StateWatch
+from lightning_cudagraph._trust.guards import GuardSet
 from lightning_cudagraph._trust.recording import CapturePlan, WarmupRecorder
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.shape_change import ShapeOutcome
 from lightning_cudagraph.health import Stage
+
+#: What a user can do about a value a region's forward read that changes between steps.
+GUARD_FIX = (
+    "set it before the fit or during the warmup steps, or keep a value that changes in a device tensor the forward"
+    " reads (register_buffer, then fill_ between steps), which a replay reads anew (docs/python.md)"
+)
 
 
 class GraphSetCapture:
@@ -71,9 +78,11 @@ class GraphSetCapture:
         if first:
             self.machine.begin_confirmation()
             targets = self.regions.active_targets
+            inside = [(f"{t.name}.{n}" if n else t.name, m) for t in targets for n, m in t.module.named_modules()]
             self.state.watch(  # a region's own mode and hooks act around its replay: the modules inside it are watched
                 ((f"{t.name}.{n}", tensor) for t in targets for n, tensor in _tensors_of(t.module)),
                 ((f"{t.name}.{n}", m, t.module) for t in targets for n, m in t.module.named_modules() if n),
+                GuardSet("the regions", inside, fix=GUARD_FIX),
             )
         return self.graph_sets.get(batch)
 

@@ -19,7 +19,7 @@ from torchmetrics import Metric
 
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._backend.compiling import CompiledModules, called_modules
-from lightning_cudagraph._backend.watchdog import ReplayWatchdog, replay_bound_s
+from lightning_cudagraph._backend.watchdog import ReplayWatchdog
 from lightning_cudagraph._graphs.accumulation import GradientBinding
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
 from lightning_cudagraph._graphs.step_capture import StepCapture, metric_in_graph, refused_capture
@@ -39,12 +39,20 @@ from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.evidence import StateWatch
+from lightning_cudagraph._trust.guards import GuardSet
 from lightning_cudagraph._trust.shadow import precision_state
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.shape_change import ShapeDecision
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
+
+#: What a user can do about a value the whole step read that changes between steps.
+GUARD_FIX = (
+    "keep a value that changes in a device tensor the step reads (self.register_buffer('scale', torch.tensor(1.0),"
+    " persistent=False), then self.scale.fill_(...) between steps), or use a scoped level (strategy='cudagraph' or"
+    " scope=['layer']), which runs training_step's Python every step (docs/python.md)"
+)
 
 
 class WholeStepDriver(Driver):
@@ -87,8 +95,7 @@ class WholeStepDriver(Driver):
         self.replays.checked_until = trainer.global_step
         if trainer.world_size > 1:  # the graph holds collectives, which NCCL's watchdog does not see
             timeout_s = getattr(trainer.strategy, "replay_timeout_s", None)
-            bound = lambda: replay_bound_s(self.report.eager_step_ms, timeout_s)  # noqa: E731
-            self.replays.watchdog = ReplayWatchdog(bound, trainer.global_rank, self.backend.marker)
+            self.replays.watchdog = ReplayWatchdog(timeout_s, self.report, trainer.global_rank, self.backend.marker)
         self.binding = GradientBinding(list(trainer.lightning_module.parameters()))
         for optimizer in trainer.optimizers:
             self.optimizers.prepare(optimizer)
@@ -182,6 +189,7 @@ class WholeStepDriver(Driver):
     ) -> bool:
         whole, first = plan.whole, not self.captured_any
         self.optimizers.prepare(optimizer)
+        self.optimizers.refresh()  # a rate written as a number since the last step is the graph's input, not a constant
         self.before_capture()
         started = time.perf_counter()
         metrics = self.capture.capture(whole, run_step, module, before)
@@ -211,7 +219,8 @@ class WholeStepDriver(Driver):
         whole.confirm_left = self.checks.captured()
         if first:  # later shapes must read the same tensors: a rebind in between is caught, not re-watched
             inside = [(name, m, None) for name, m in module.named_modules() if name and not isinstance(m, Metric)]
-            self.state.watch((*module.named_parameters(), *module.named_buffers()), inside)
+            guards = GuardSet("the whole step", list(module.named_modules()), module, GUARD_FIX, clipping=True)
+            self.state.watch((*module.named_parameters(), *module.named_buffers()), inside, guards)
         evicted = f"; evicted batch {describe_batch_key(plan.evicts)}" if plan.evicts is not None else ""
         where = f" ({plan.position.describe()})" if plan.position.accumulate > 1 else ""
         rank_zero_info(
@@ -277,6 +286,7 @@ class WholeStepDriver(Driver):
             self.replays.watchdog.close()
         self.capture.release()
         self.binding.forget()
+        self.state.release()
         steps = self.steps.clear()
         try:
             for window in steps:

@@ -7,6 +7,7 @@ captured, so such a region is refused (a fixed scope) or its level skipped (``sc
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Sequence
 
@@ -24,7 +25,9 @@ def check_targets(targets: Sequence[Target], component: str) -> None:
     """Refuse activation checkpointing inside a captured region (its recompute would replay into the graph).
 
     Found as a checkpoint wrapper module, a ``gradient_checkpointing`` flag (Hugging Face), or a ``forward`` (the
-    class's or the instance's) whose code object refers to ``torch.utils.checkpoint``.
+    class's or the instance's) whose code object refers to ``torch.utils.checkpoint``; a forward set on the instance
+    is followed through ``functools.partial`` (``partial(checkpoint, module.forward)``), each layer of
+    ``functools.wraps`` wrappers, bound methods and callable objects.
     """
     for target in targets:
         for name, module in target.module.named_modules():
@@ -62,10 +65,38 @@ def forward_calls_checkpoint(cls: type[nn.Module]) -> bool:
 
 
 def _calls_checkpoint(forward: object) -> bool:
-    """Whether a forward function (a method, a lambda, a function) refers to ``torch.utils.checkpoint``'s functions."""
-    if forward is None:
+    """Whether a forward (a method, a lambda, a function, a partial, a wrapper) is or calls checkpoint's functions."""
+    return any(_code_calls_checkpoint(function) for function in _layers(forward))
+
+
+def _layers(forward: object) -> list[object]:
+    """``forward`` and every callable it stands for.
+
+    A bound method's function, a partial's function, what ``functools.wraps`` wrapped (each layer: a wrapper's own
+    code may be the one that checkpoints), and a callable object's ``__call__``.
+    """
+    layers: list[object] = []
+    pending = [forward]
+    while pending and len(layers) < 32:  # a bound: wrappers may refer to each other
+        current = pending.pop()
+        if current is None or any(current is seen for seen in layers):
+            continue
+        layers.append(current)
+        if isinstance(current, functools.partial):
+            pending.append(current.func)
+            continue
+        pending.extend(getattr(current, attribute, None) for attribute in ("__func__", "__wrapped__"))
+        if not inspect.isroutine(current) and callable(current):
+            pending.append(type(current).__call__)
+    return layers
+
+
+def _code_calls_checkpoint(forward: object) -> bool:
+    """Whether one function is checkpoint itself, or its code (or a function nested in it) refers to it."""
+    if any(forward is fn for fn in _CHECKPOINT_FUNCTIONS):
+        return True
+    if inspect.ismethod(forward):  # its __func__ is a layer of its own
         return False
-    forward = inspect.unwrap(getattr(forward, "__func__", forward))  # type: ignore[arg-type]
     code, namespace = getattr(forward, "__code__", None), dict(getattr(forward, "__globals__", {}))
     for name, cell in zip(getattr(code, "co_freevars", ()), getattr(forward, "__closure__", None) or (), strict=False):
         with contextlib.suppress(ValueError):  # an empty cell

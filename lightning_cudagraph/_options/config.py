@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from lightning_cudagraph._options.compile_options import CompileOptions
 from lightning_cudagraph._options.errors import Verbatim, config_error
-from lightning_cudagraph._options.normalization import compile_options, normalize_modules, normalize_scope
+from lightning_cudagraph._options.normalization import compile_options, normalize_modules, normalize_scope, plain
 from lightning_cudagraph._options.options import AUTO, DEFAULT_MAX_GRAPHS, FULL_ITERATION, OPTIONS, SCOPES, Selector
 from lightning_cudagraph._options.validation import validate
 
@@ -47,7 +47,11 @@ class CUDAGraphConfig:
 
     @classmethod
     def from_options(cls, component: str, **options: Any) -> CUDAGraphConfig:
-        """Normalize and validate options; raise ``ValueError`` naming ``component`` on the first bad one."""
+        """Normalize and validate options; raise ``ValueError`` naming ``component`` on the first bad one.
+
+        NumPy scalars and arrays are taken as the Python numbers and lists they hold.
+        """
+        options = {name: plain(value) for name, value in options.items()}
         scope = normalize_scope(component, options.pop("scope", AUTO))
         compiled = compile_options(component, options.pop("compile", False), scope, options.get("impl"))
         modules = normalize_modules(component, options.pop("modules", None))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch.nn as nn
@@ -100,6 +100,59 @@ def hooked_modules(root: nn.Module) -> list[str]:
     if any(getattr(module_globals, "_global" + name, None) for name in _FIRING):
         names.append("<global module hooks>")
     return names
+
+
+#: The process-wide hook dicts that fire, with the function that registers into each.
+_GLOBAL_FIRING = {
+    "_global_forward_pre_hooks": "register_module_forward_pre_hook",
+    "_global_forward_hooks": "register_module_forward_hook",
+    "_global_backward_pre_hooks": "register_module_full_backward_pre_hook",
+    "_global_backward_hooks": "register_module_full_backward_hook",
+}
+
+
+def global_hooks() -> list[str]:
+    """The process-wide module hooks registered now, each named with the function that registered it.
+
+    Example:
+        >>> import torch
+        >>> def log_shapes(module, args, output): ...
+        >>> handle = torch.nn.modules.module.register_module_forward_hook(log_shapes)
+        >>> global_hooks()
+        ['log_shapes (register_module_forward_hook)']
+        >>> handle.remove()
+    """
+    return [
+        f"{_hook_name(hook)} ({register})"
+        for name, register in _GLOBAL_FIRING.items()
+        for hook in getattr(module_globals, name, {}).values()
+    ]
+
+
+def global_hooks_warning(component: str, regions: Sequence[str]) -> str | None:
+    """The warning for process-wide module hooks before scoped regions are captured, or ``None`` when there are none.
+
+    A global hook fires for every module in eager steps; while a region replays as a graph, it fires for the region
+    itself (its call still runs) but no longer for the modules inside it, and nothing else says so. Called with the
+    names of the regions about to be captured, next to the warning for hooks on modules inside them.
+    """
+    hooks = global_hooks()
+    if not hooks or not regions:
+        return None
+    shown = ", ".join(regions[:3]) + (f" and {len(regions) - 3} more" if len(regions) > 3 else "")
+    return (
+        f"{component}: the global module hook(s) {', '.join(hooks)} fire for every module in eager steps, but not for"
+        f" the modules inside the captured regions ({shown}) while they replay as graphs; they still fire for each"
+        " region itself. Fix: remove them for the fit (handle.remove()), register them on the modules they are for"
+        " (module.register_forward_hook(...)) outside the captured regions, or pick a scope that leaves those"
+        " modules out."
+    )
+
+
+def _hook_name(hook: object) -> str:
+    function = getattr(hook, "func", hook)  # functools.partial
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return name.replace(".<locals>", "")
 
 
 def _swap_out(owner: object, name: str) -> tuple[object, str, OrderedDict]:

@@ -6,6 +6,7 @@ A value of the wrong kind is refused here; the rules between options live in :mo
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,7 +16,24 @@ from lightning_cudagraph._options.compile_options import CompileOptions
 from lightning_cudagraph._options.errors import config_error
 from lightning_cudagraph._options.options import AUTO, FULL_ITERATION, Selector
 
-__all__ = ["compile_options", "normalize_modules", "normalize_scope"]
+__all__ = ["compile_options", "normalize_modules", "normalize_scope", "plain"]
+
+
+def plain(value: Any) -> Any:
+    """A NumPy scalar or array as the Python number, bool, string or list it holds; any other value unchanged.
+
+    ``np.int64(2)``, ``np.float32(600)`` and ``np.array([8, 16])`` are accepted wherever ``2``, ``600.0`` and
+    ``[8, 16]`` are, and stored as those. NumPy is not imported for this: a NumPy value means it already is.
+
+    Example:
+        >>> import numpy as np
+        >>> plain(np.int64(2)), plain(np.array([8, 16])), plain("attn")
+        (2, [8, 16], 'attn')
+    """
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
+        return value.tolist()
+    return value
 
 
 def compile_options(component: str, value: Any, scope: tuple[str, ...], impl: Any) -> CompileOptions | None:

@@ -25,6 +25,7 @@ from lightning_cudagraph._graphs.eval_step import EvalStepGraphs
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
 from lightning_cudagraph._options.options import DEFAULT_MAX_GRAPHS
 from lightning_cudagraph._trust.failure import FailurePolicy
+from lightning_cudagraph._trust.guards import EVAL_METHODS, GuardSet
 from lightning_cudagraph._trust.tolerance import forward_tolerance, full_precision
 from lightning_cudagraph.health import EvaluationRecord
 
@@ -75,6 +76,7 @@ class EvaluationGraphs:
         self._standalone = False
         self._said: set[str] = set()
         self._addresses: dict[str, int] = {}
+        self._guards: GuardSet | None = None
 
     # ------------------------------------------------------------------ a loop's start and end
     def loop_start(
@@ -94,12 +96,19 @@ class EvaluationGraphs:
                 rank_zero_info(f"{self.component}: {hook or 'evaluation'} runs eagerly: {reason}")
             return
         assert backend is not None
-        addresses = tensor_addresses(trainer.lightning_module)
-        if self._backend is not backend or moved_since(self._addresses, addresses):
-            # A new fit, a loop outside one, or parameters and buffers rebound since the graphs were captured
-            # (``p.data = ...``, a ``.to()``): graphs that read the old tensors go, and are captured again.
+        module = trainer.lightning_module
+        addresses = tensor_addresses(module)
+        changed = self._guards.change() if self._guards is not None else None
+        if changed is not None:
+            rank_zero_info(f"{self.component}: {hook} captures its graphs again: {changed}")
+        if self._backend is not backend or moved_since(self._addresses, addresses) or changed is not None:
+            # A new fit, a loop outside one, parameters and buffers rebound since the graphs were captured
+            # (``p.data = ...``, a ``.to()``), or a Python value their code read changed between loops: graphs that
+            # read the old values go, and are captured again.
             self.release()
             self._backend, self._addresses = backend, addresses
+        if self._guards is None:  # the values this loop's captures read
+            self._guards = GuardSet("the evaluation graphs", list(module.named_modules()), module, methods=EVAL_METHODS)
         if not in_fit:
             self._standalone = True
             backend.enter()  # eager warmup and capture on one stream, as in training
@@ -200,6 +209,9 @@ class EvaluationGraphs:
                 self.steps.release()
             self.steps = self.regions = None
             self._backend, self._standalone, self._addresses = None, False, {}
+            if self._guards is not None:
+                self._guards.release()
+                self._guards = None
             self.mode = EAGER
             self.record.graphs = 0
             if held:

@@ -15,6 +15,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_cudagraph._backend.local import moved_since
+from lightning_cudagraph._trust.guards import GuardSet
 
 
 def largest_so_far(previous: float, *errors: float) -> float:
@@ -51,8 +52,9 @@ class StateWatch:
     """What the graphs were captured with: the parameters, buffers and modules they hold, as they were then.
 
     Checked before each replayed step: a parameter whose ``requires_grad`` changed would get no gradient from the
-    graphs, a tensor rebound to new storage (``p.data = ...``, a ``.to()``) would leave them reading the old one, and
-    a module switched to eval mode, given a hook or a forward of its own would be replayed as captured.
+    graphs, a tensor rebound to new storage (``p.data = ...``, a ``.to()``) would leave them reading the old one, a
+    module switched to eval mode, given a hook or a forward of its own would be replayed as captured, and a Python
+    value the graphs' code read (their :class:`~lightning_cudagraph._trust.guards.GuardSet`) would stay as captured.
 
     Example:
         >>> import torch
@@ -76,17 +78,22 @@ class StateWatch:
         self._dicts: list[dict[Any, Any]] = []
         self._lengths: list[int] = []
         self._sizes = 0
+        self.guards: GuardSet | None = None
 
     def watch(
         self,
         named_tensors: Iterable[tuple[str, Tensor]],
         modules: Iterable[tuple[str, torch.nn.Module, torch.nn.Module | None]] = (),
+        guards: GuardSet | None = None,
     ) -> None:
         """Remember ``requires_grad`` and the storage of these tensors now, and the modes and hooks of ``modules``.
 
         ``modules`` are ``(name, module, region)``: a module inside a region is watched against the region's mode (a
-        region switched as a whole is another call signature, which falls back by itself).
+        region switched as a whole is another call signature, which falls back by itself). ``guards``: the Python
+        values the graphs read, held from now on (a previous set is released).
         """
+        self.release()
+        self.guards = guards
         self._watched = [(name, t, t.requires_grad, t.data_ptr()) for name, t in named_tensors]
         self._tensors = [t for _, t, _, _ in self._watched]
         self._flags = [trainable for _, _, trainable, _ in self._watched]
@@ -104,7 +111,7 @@ class StateWatch:
         # Checked before every replayed step: two list comparisons, and the named search only when one differs.
         tensors = self._tensors
         if [t.requires_grad for t in tensors] == self._flags and [t.data_ptr() for t in tensors] == self._addresses:
-            return self._module_problem()
+            return self._module_problem() or (self.guards.problem() if self.guards is not None else None)
         for name, tensor, trainable, _ in self._watched:
             if tensor.requires_grad is not trainable:
                 return (
@@ -116,6 +123,12 @@ class StateWatch:
         if moved:
             return f"address_changed: {moved[0]} is not the tensor the graphs were captured with (it was rebound)"
         return None
+
+    def release(self) -> None:
+        """Stop holding the guards (idempotent): the graphs they served are gone."""
+        guards, self.guards = self.guards, None
+        if guards is not None:
+            guards.release()
 
     def _module_problem(self) -> str | None:
         """A rollback reason if a watched module changed mode, or got hooks, attributes or a forward of its own."""

@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["reads_watched", "watched_index"]
+__all__ = ["framework_file", "line_of", "reads_watched", "watched_index"]
 
 #: Frames of torch, Lightning and this package are not the user's.
 _PACKAGE_FILE = sys.modules[__name__.partition(".")[0]].__file__
@@ -30,13 +30,27 @@ _FRAMEWORK_DIRS = tuple(
 _PER_STEP = ("global_step", "current_epoch")
 
 
+def framework_file(filename: str) -> bool:
+    """Whether code in ``filename`` is torch's, Lightning's or this package's (not the user's)."""
+    return filename.startswith(_FRAMEWORK_DIRS)
+
+
+def line_of(filename: str, line: int) -> str:
+    """``file:line: `source``` as messages name a line of code.
+
+    Example:
+        >>> line_of("no_such_file.py", 3)
+        'no_such_file.py:3'
+    """
+    source = linecache.getline(filename, line).strip()
+    return f"{os.path.basename(filename)}:{line}: `{source}`" if source else f"{os.path.basename(filename)}:{line}"
+
+
 def _user_line(frame: FrameType | None) -> str | None:
     """``file:line: source`` of the first frame outside the framework, or ``None`` when the framework reads."""
-    if frame is None or frame.f_code.co_filename.startswith(_FRAMEWORK_DIRS):
+    if frame is None or framework_file(frame.f_code.co_filename):
         return None
-    name, line = frame.f_code.co_filename, frame.f_lineno
-    source = linecache.getline(name, line).strip()
-    return f"{os.path.basename(name)}:{line}: `{source}`" if source else f"{os.path.basename(name)}:{line}"
+    return line_of(frame.f_code.co_filename, frame.f_lineno)
 
 
 @contextlib.contextmanager
