@@ -9,7 +9,6 @@ it reads, and the same for the methods of its own object that it calls. Each nam
 from __future__ import annotations
 
 import dis
-import functools
 import inspect
 import sys
 import types
@@ -103,7 +102,10 @@ class CodeReads:
         return attributes
 
 
-@functools.cache
+#: What each class's code reads, by class and the methods it starts from (code does not change during a fit).
+_CLASS_READS: dict[tuple[type, tuple[str, ...]], CodeReads] = {}
+
+
 def class_reads(owner: type, starts: tuple[str, ...] = ("forward",)) -> CodeReads:
     """What the methods ``starts`` of ``owner`` (and the methods of it they call) load, once per class.
 
@@ -112,8 +114,11 @@ def class_reads(owner: type, starts: tuple[str, ...] = ("forward",)) -> CodeRead
         >>> "p" in class_reads(torch.nn.Dropout).names
         True
     """
-    functions = [getattr(owner, name, None) for name in starts]
-    return CodeReads.of([function for function in functions if callable(function)], owner=owner)
+    key = (owner, starts)
+    if key not in _CLASS_READS:
+        functions = [getattr(owner, name, None) for name in starts]
+        _CLASS_READS[key] = CodeReads.of([function for function in functions if callable(function)], owner=owner)
+    return _CLASS_READS[key]
 
 
 def _unwrap(function: Any) -> types.FunctionType | None:

@@ -206,7 +206,7 @@ class GuardSet:
             for cell, name, where in reads.cells.values():
                 if (id(cell), name) not in seen and frozen(_cell_value(cell)) is not _UNHELD:
                     seen.add((id(cell), name))
-                    self._compared.append(_Compared(lambda cell=cell: _cell_value(cell), f"closure {name}", where))
+                    self._compared.append(_Compared(_cell_reader(cell), f"closure {name}", where))
 
     def problem(self) -> str | None:
         """A ``step_python`` reason if a guarded value differs from capture, else ``None`` (before each replay)."""
@@ -251,6 +251,10 @@ def _attribute_reader(owner: Any, name: str) -> Callable[[], Any]:
 
 def _item_reader(mapping: dict[Any, Any], key: Any) -> Callable[[], Any]:
     return lambda: mapping.get(key, _UNHELD)
+
+
+def _cell_reader(cell: types.CellType) -> Callable[[], Any]:
+    return lambda: _cell_value(cell)
 
 
 def _cell_value(cell: types.CellType) -> Any:

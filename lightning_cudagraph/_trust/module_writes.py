@@ -56,7 +56,7 @@ class WriteLog:
         #: ``(module, name, line that wrote it)`` of the last write to each watched attribute since the last clear.
         self.written: dict[tuple[int, str], tuple[torch.nn.Module, str, str]] = {}
         if not _OPEN:
-            torch.nn.Module.__setattr__ = _noting_setattr  # type: ignore[method-assign]
+            torch.nn.Module.__setattr__ = _noting_setattr  # type: ignore[method-assign, assignment]
         _OPEN.append(self)
 
     def clear(self) -> None:
