@@ -45,6 +45,7 @@ W = "tests/test_watchdog.py::"
 R = "tests/test_fsdp2_rules.py::"
 G = "tests/test_guards.py::"
 T = "tests/test_input_messages.py::"
+M = "tests/test_manual_optimization.py::"
 
 
 @dataclass(frozen=True)
@@ -336,8 +337,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_graphs/scoped.py",
-        "            accumulating = trainer.accumulate_grad_batches > 1\n",
-        "            accumulating = False\n",
+        "confirming, accumulates_across_steps(trainer))",
+        "confirming, False)",
         "first micro-batch gradient overwritten: the router is never told the step accumulates",
         S + "test_gradient_accumulation_keeps_the_first_micro_batch_gradient",
     ),
@@ -978,6 +979,36 @@ MUTATIONS: list[Mutation] = [
         "        if compile is not False:",
         "compile=None, off for the other classes, is refused by the FSDP2 strategy",
         T + "test_compile_none_is_off_everywhere",
+    ),
+    # ------------------------------------------------------------------ manual optimization
+    m(
+        "_graphs/scoped.py",
+        "return trainer.accumulate_grad_batches > 1 or not trainer.lightning_module.automatic_optimization",
+        "return trainer.accumulate_grad_batches > 1",
+        "manual accumulation (opt.step every N batches) under scoped graphs: each replayed backward rewrites the"
+        " gradient buffer autograd adopted as param.grad, so gradients are doubled, not summed (silently off eager)",
+        M + "test_a_layer_scope_trains_as_eager[accumulation]",
+        M + "test_scope_auto_never_trains_a_wrong_step_on_its_climb[accumulation]",
+    ),
+    m(
+        "_graphs/routing.py",
+        "        if entry.parity_checked:\n            return self._replay(route, entry, args, kwargs)",
+        "        if entry.parity_checked:\n            route.replays += 1\n            self.report.replays += 1\n"
+        "            return entry.region(args, kwargs)",
+        "a confirming or audited step replays the regions already checked without copying out accumulated"
+        " gradients: under manual or Lightning accumulation those steps double a micro-batch's gradients",
+        M + "test_a_layer_scope_trains_as_eager[accumulation]",
+        "tests/test_accumulation.py",
+    ),
+    m(
+        "_graphs/scoped.py",
+        "self._begin_graphed_step(graph_set, trainer.global_step, confirming, accumulates_across_steps(trainer))",
+        "self._begin_graphed_step(\n                graph_set, trainer.global_step, confirming,"
+        " accumulates_across_steps(trainer) and not confirming\n            )",
+        "confirming and audit steps forget that gradients carry over between steps: their replays rewrite the"
+        " gradient a previous micro-batch left in param.grad",
+        M + "test_a_layer_scope_trains_as_eager[accumulation]",
+        "tests/test_accumulation.py",
     ),
     # ------------------------------------------------------------------ the guards and the fed learning rate
     m(

@@ -120,6 +120,8 @@ class StepRoute:
     recorder: WarmupRecorder | None = None
     fallback_reason: str | None = None
     confirming: bool = False
+    #: Gradients may carry over from the step before (accumulate_grad_batches > 1, or manual optimization): each
+    #: replay first gives parameters holding a region's gradient buffer a copy, so the backward adds to them.
     accumulating: bool = False
     state_checked: bool = False
     problem: str | None = None

@@ -115,8 +115,8 @@ class ScopedDriver(Driver):
         graph_set = self._graph_set_for(key)
         if graph_set is not None:
             self.confirmation.audit_when_due(graph_set)
-            accumulating = trainer.accumulate_grad_batches > 1
-            self._begin_graphed_step(graph_set, trainer.global_step, graph_set.confirm_left > 0, accumulating)
+            confirming = graph_set.confirm_left > 0  # an audit's step too: it confirms one region again
+            self._begin_graphed_step(graph_set, trainer.global_step, confirming, accumulates_across_steps(trainer))
 
     def _begin_graphed_step(self, graph_set: GraphSet, step: int, confirming: bool, accumulating: bool) -> None:
         self.router.begin(StepRoute(graph_set=graph_set, confirming=confirming, accumulating=accumulating))
@@ -231,6 +231,7 @@ class ScopedDriver(Driver):
         self._released = True
         self.router.end()
         self.forwards.restore()
+        self.state.release()
         graph_sets = self.graph_sets.clear()
         try:
             for graph_set in graph_sets:
@@ -252,3 +253,12 @@ class ScopedDriver(Driver):
     def save_checkpoint(self, optimizers: list[Any], checkpoint: dict[str, Any]) -> None:
         """Save optimizers as the user built them (the optimizer graph runs them in their capturable form)."""
         self.optimizer_graph.save_checkpoint(optimizers, checkpoint)
+
+
+def accumulates_across_steps(trainer: pl.Trainer) -> bool:
+    """Whether gradients may carry over from one training step to the next (then a replay hands autograd copies).
+
+    Under ``accumulate_grad_batches > 1`` they do; under manual optimization they may at any step, as
+    ``training_step`` decides when to call ``zero_grad`` (Lightning's manual accumulation steps every N batches).
+    """
+    return trainer.accumulate_grad_batches > 1 or not trainer.lightning_module.automatic_optimization

@@ -76,12 +76,19 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
             f" accumulate_grad_batches=1 with a larger batch, or {instead_of_the_whole_step(trainer)}",
         )
     if not module.automatic_optimization:
+        # Scoped graphs hand autograd copies of the gradients under manual optimization, so they accumulate as eager.
+        keeps = (
+            ", which runs training_step's own manual_backward, optimizer and zero_grad calls as written"
+            if scoped_graphs(trainer)
+            else ""
+        )
         raise config_error(
             config.component,
             "automatic_optimization",
             False,
             "automatic optimization with scope=['full_iteration']",
-            f"{instead_of_the_whole_step(trainer, ['attn', 'mlp'])} with manual optimization",
+            "training_step calls the optimizers itself, and a whole-step replay would repeat the calls of the captured"
+            f" step instead of the ones each step makes; {instead_of_the_whole_step(trainer, ['attn', 'mlp'])}{keeps}",
         )
 
 
