@@ -46,6 +46,7 @@ R = "tests/test_fsdp2_rules.py::"
 G = "tests/test_guards.py::"
 T = "tests/test_input_messages.py::"
 M = "tests/test_manual_optimization.py::"
+B = "tests/test_blind_spots.py::"
 
 
 @dataclass(frozen=True)
@@ -1009,6 +1010,177 @@ MUTATIONS: list[Mutation] = [
         " gradient a previous micro-batch left in param.grad",
         M + "test_a_layer_scope_trains_as_eager[accumulation]",
         "tests/test_accumulation.py",
+    ),
+    # ------------------------------------------------------------------ the suite's blind spots
+    # blind spot, class 1: only the first parameter group's settings watched (several = parameter groups: automatic optimization
+    # steps one optimizer)
+    m(
+        "_backend/optimizers.py",
+        "for index, (old, new) in enumerate(zip(self.groups, now.groups, strict=True)):",
+        "for index, (old, new) in enumerate(zip(self.groups[:1], now.groups[:1], strict=True)):",
+        "a setting of the second parameter group moved after capture is never noticed: replays keep the old one",
+        B + "test_a_setting_of_the_second_parameter_group_moved_after_capture_rolls_back_and_trains_as_eager",
+    ),
+    # blind spot, class 1: only the first parameter group's settings snapshotted
+    m(
+        "_backend/optimizers.py",
+        "for group in optimizer.param_groups])",
+        "for group in optimizer.param_groups[:1]])",
+        "settings snapshots hold the first parameter group only: the others' settings move unseen",
+        B + "test_a_setting_of_the_second_parameter_group_moved_after_capture_rolls_back_and_trains_as_eager",
+    ),
+    # blind spot, class 1: only the first parameter group's learning rate refreshed before a replay
+    m(
+        "_backend/optimizers.py",
+        "for group, lr in zip(self.groups, self.lrs, strict=True):",
+        "for group, lr in zip(self.groups[:1], self.lrs[:1], strict=True):",
+        "a learning rate set by hand on the second parameter group has no effect on replayed whole steps",
+        B + "test_a_learning_rate_of_the_second_parameter_group_set_by_hand_takes_effect_on_replayed_steps",
+    ),
+    # blind spot, class 2: the shadow step's tolerance 10x looser
+    m(
+        "_trust/shadow.py",
+        "    tolerance = step_tolerance(trainer.precision)",
+        "    tolerance = 10 * step_tolerance(trainer.precision)",
+        "a whole-step graph off eager by up to 1% is trusted",
+        B + "test_a_graph_just_outside_the_documented_tolerance_rolls_back_and_one_just_inside_is_kept",
+    ),
+    # blind spot, class 2: the step table's full-precision figure 10x looser (shadow step and optimizer graph)
+    m(
+        "_trust/tolerance.py",
+        'STEP_TOL = {"full": 1e-3,',
+        'STEP_TOL = {"full": 1e-2,',
+        "whole-step and optimizer graphs off eager by up to 1% are trusted in float32",
+        B + "test_a_graph_just_outside_the_documented_tolerance_rolls_back_and_one_just_inside_is_kept",
+    ),
+    # blind spot, class 2: the optimizer graph's tolerance 10x looser
+    m(
+        "_graphs/optimizer_graph.py",
+        'OPTIMIZER_TOL = STEP_TOL["full"]',
+        'OPTIMIZER_TOL = 10 * STEP_TOL["full"]',
+        "an optimizer graph whose update is off eager by up to 1% is trusted",
+        B + "test_a_graph_just_outside_the_documented_tolerance_rolls_back_and_one_just_inside_is_kept",
+    ),
+    # blind spot, class 3: the shadow step never compares the losses
+    m(
+        "_trust/shadow.py",
+        "    if graph_loss is not None and eager_loss is not None:",
+        "    if False:",
+        "a whole-step graph whose loss is wrong (its update right) is trusted: every logged loss is off",
+        B + "test_the_shadow_step_fails_a_graph_that_is_off_eager_in_one_thing_alone[loss-alone]",
+    ),
+    # blind spot, class 3: the shadow step never compares a micro-batch's gradients
+    m(
+        "_trust/shadow.py",
+        "    if graph_grads is not None:",
+        "    if False:",
+        "a micro-batch graph that accumulates wrong gradients is trusted (accumulate_grad_batches > 1)",
+        B + "test_the_shadow_step_fails_a_graph_that_is_off_eager_in_one_thing_alone[micro-batch-gradient-alone]",
+    ),
+    # blind spot, class 4: the replayed step's output handed over without a copy
+    m(
+        "_graphs/step_pieces.py",
+        "        return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, Tensor) else v, self.output)",
+        "        return self.output",
+        "outputs a user keeps from replayed steps are the static buffers: every later replay rewrites them",
+        B + "test_outputs_kept_from_replayed_steps_hold_each_steps_own_values_after_later_replays",
+    ),
+    # blind spot, class 6: the eager baseline includes the fit's first step
+    m(
+        "_rollout/step_times.py",
+        "        return median(times[1:] if len(times) > 1 else times)",
+        "        return median(times)",
+        "the eager baseline counts the first step (kernel compilation, caches): speedups and the ladder's bar inflated",
+        B + "test_the_report_and_the_logs_give_the_replayed_step_time_and_the_eager_one_without_the_first_step",
+        B + "test_a_slow_first_step_does_not_make_a_level_slower_than_eager_look_faster_in_a_short_fit",
+    ),
+    # blind spot, class 6: cudagraph/step_ms logs the eager baseline
+    m(
+        "health.py",
+        '            "step_ms": self.step_ms,',
+        '            "step_ms": self.eager_step_ms,',
+        "cudagraph/step_ms logs the eager baseline, not the replayed steps' time",
+        B + "test_the_report_and_the_logs_give_the_replayed_step_time_and_the_eager_one_without_the_first_step",
+    ),
+    # blind spot, class 6: the interval's step time is its slowest step
+    m(
+        "_rollout/step_times.py",
+        "            self.report.step_ms = median(times)",
+        "            self.report.step_ms = max(times)",
+        "report.step_ms is the slowest step of the interval (an audit's eager step), not its median",
+        B + "test_the_report_and_the_logs_give_the_replayed_step_time_and_the_eager_one_without_the_first_step",
+    ),
+    # blind spot, class 7: the steady-state check compares with the eager time before capture, not eager steps beside the level
+    m(
+        "_rollout/ladder.py",
+        "        self.steady_eager_ms = self.eager_ms if math.isnan(eager_ms) else eager_ms",
+        "        self.steady_eager_ms = self.eager_ms",
+        "eager training that got faster after capture is never seen: the fit stays on a level slower than eager",
+        B + "test_a_settled_level_is_checked_against_eager_steps_timed_beside_it_not_the_eager_time_before_capture",
+    ),
+    # blind spot, class 8: a settled whole step that fails with skipped_step rolls graphs off instead of stepping down
+    m(
+        "_rollout/level_failure.py",
+        'PYTHON_REASONS = ("step_python", "skipped_step")',
+        'PYTHON_REASONS = ("step_python",)',
+        "a settled whole step whose capture hit a skipped batch turns graphs off for the rest of the fit",
+        B + "test_a_settled_whole_step_whose_new_shape_is_captured_on_a_skipped_batch_goes_down_a_level_not_off",
+    ),
+    # blind spot, class 2: evaluation at full precision judged with the reduced-precision tolerance (2e-2, not 1e-4)
+    m(
+        "_rollout/evaluation.py",
+        "tolerance = forward_tolerance(self.config.parity_tol, reduced=not full_precision(trainer.precision))",
+        "tolerance = forward_tolerance(self.config.parity_tol, reduced=True)",
+        "a float32 evaluation graph off eager by up to 2% is kept: val_loss, checkpoints and early stopping move",
+        B + "test_an_evaluation_graph_just_outside_the_documented_float32_tolerance_is_dropped_and_one_inside_is_kept",
+    ),
+    # blind spot, class 9: an optimizer counts as fused when any one of its groups is
+    m(
+        "_backend/optimizers.py",
+        'fused = all(group.get("fused") for group in optimizer.param_groups)',
+        'fused = any(group.get("fused") for group in optimizer.param_groups)',
+        "an optimizer the package cannot capture is taken into the whole step when one of its groups is fused",
+        B + "test_an_optimizer_the_package_cannot_capture_is_refused_when_only_some_of_its_groups_are_fused",
+    ),
+    # blind spot, class 9: every group given back with the first group's flags
+    m(
+        "_backend/optimizers.py",
+        "for group, saved in zip(groups, self._saved, strict=True):",
+        "for group, saved in zip(groups, [self._saved[0]] * len(groups), strict=True):",
+        "an optimizer fused in one group only is given back (and checkpointed) with every group's flags the first's",
+        B + "test_an_optimizer_fused_in_one_group_trains_as_eager_and_is_given_back_group_by_group",
+    ),
+    # blind spot, class 10: a backward pre-hook added inside a captured module after capture is not seen
+    m(
+        "_trust/evidence.py",
+        "        module._backward_pre_hooks,\n    ]",
+        "        {},\n    ]",
+        "a backward pre-hook added mid-fit inside a captured layer is skipped by every replay, silently",
+        B + "test_a_backward_pre_hook_added_inside_a_captured_layer_after_capture_rolls_back_and_trains_as_eager",
+    ),
+    # blind spot, class 10: backward pre-hooks inside a region at its capture are not counted (no warning)
+    m(
+        "_options/hooks.py",
+        '_FIRING = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")',
+        '_FIRING = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks")',
+        "a backward pre-hook inside a captured layer stops firing on replays and nothing says so",
+        B + "test_a_backward_pre_hook_inside_a_layer_before_its_capture_is_named_or_trains_as_eager",
+    ),
+    # blind spot, class 5: a capture refused for a metric updated inside it is not undone (the metric counts the capture's update)
+    m(
+        "_graphs/whole_step.py",
+        "        if updated:\n            before.restore()\n",
+        "        if updated:\n",
+        "a metric updated in a captured step counts the capture's update too: update_count one ahead of eager",
+        B + "test_a_metric_updated_in_a_captured_step_is_refused_and_counts_every_step_as_eager",
+    ),
+    # blind spot, class 7 (second test of entry 9's bug): the ladder's bar in a short fit includes the slow first step
+    m(
+        "_rollout/step_times.py",
+        "        return median(times[1:] if len(times) > 1 else times)",
+        "        return median(times)",
+        "a short scope='auto' fit keeps a level slower than eager: the bar includes the first (slow) eager step",
+        B + "test_a_slow_first_step_does_not_make_a_level_slower_than_eager_look_faster_in_a_short_fit",
     ),
     # ------------------------------------------------------------------ the guards and the fed learning rate
     m(
