@@ -876,8 +876,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_backend/watchdog.py",
-        ' (bound {duration(self.bound_s)}). The bound is {self.which}; it is at least',
-        ' (bound {duration(self.bound_s)}). The bound is at least',
+        " (bound {duration(self.bound_s)}). The bound is {self.which}; it is at least",
+        " (bound {duration(self.bound_s)}). The bound is at least",
         "the message does not say which bound fired (replay_timeout_s, the default or the floor)",
         W + "test_the_message_names_the_bound_that_fired_and_gives_sub_second_values_in_ms",
     ),
@@ -921,7 +921,8 @@ MUTATIONS: list[Mutation] = [
         "_options/activation_checkpoints.py",
         "            pending.append(current.func)",
         "            pass",
-        "forward = partial(checkpoint, forward) set on an instance in a captured region is captured (recompute baked in)",
+        "forward = partial(checkpoint, forward) set on an instance in a captured region is captured (recompute baked"
+        " in)",
         T + "test_checkpointing_set_on_an_instances_forward_is_refused_however_it_is_bound",
     ),
     m(
@@ -1012,8 +1013,8 @@ MUTATIONS: list[Mutation] = [
         "tests/test_accumulation.py",
     ),
     # ------------------------------------------------------------------ the suite's blind spots
-    # blind spot, class 1: only the first parameter group's settings watched (several = parameter groups: automatic optimization
-    # steps one optimizer)
+    # blind spot, class 1: only the first parameter group's settings watched (several = parameter groups: automatic
+    # optimization steps one optimizer)
     m(
         "_backend/optimizers.py",
         "for index, (old, new) in enumerate(zip(self.groups, now.groups, strict=True)):",
@@ -1110,7 +1111,8 @@ MUTATIONS: list[Mutation] = [
         "report.step_ms is the slowest step of the interval (an audit's eager step), not its median",
         B + "test_the_report_and_the_logs_give_the_replayed_step_time_and_the_eager_one_without_the_first_step",
     ),
-    # blind spot, class 7: the steady-state check compares with the eager time before capture, not eager steps beside the level
+    # blind spot, class 7: the steady-state check compares with the eager time before capture, not eager steps beside
+    # the level
     m(
         "_rollout/ladder.py",
         "        self.steady_eager_ms = self.eager_ms if math.isnan(eager_ms) else eager_ms",
@@ -1166,7 +1168,8 @@ MUTATIONS: list[Mutation] = [
         "a backward pre-hook inside a captured layer stops firing on replays and nothing says so",
         B + "test_a_backward_pre_hook_inside_a_layer_before_its_capture_is_named_or_trains_as_eager",
     ),
-    # blind spot, class 5: a capture refused for a metric updated inside it is not undone (the metric counts the capture's update)
+    # blind spot, class 5: a capture refused for a metric updated inside it is not undone (the metric counts the
+    # capture's update)
     m(
         "_graphs/whole_step.py",
         "        if updated:\n            before.restore()\n",
