@@ -1187,6 +1187,14 @@ MUTATIONS: list[Mutation] = [
     ),
     # ------------------------------------------------------------------ the guards and the fed learning rate
     m(
+        "_backend/optimizers.py",
+        "group[\"lr\"] = number if number is not None and held == _in_float32(number) else held",
+        "group[\"lr\"] = held",
+        "the learning rate given back after the fit is float32-rounded (0.0010000000474974513 for 1e-3)",
+        "tests/test_capturable_optimizer.py::"
+        "test_the_learning_rate_given_back_is_the_number_the_user_wrote_not_its_float32_rounding",
+    ),
+    m(
         "_graphs/whole_step.py",
         "        self.optimizers.refresh()  # a rate written as a number since the last step is the graph's input",
         "        pass  # a rate written as a number since the last step is the graph's input",

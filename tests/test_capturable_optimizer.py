@@ -52,6 +52,22 @@ def test_a_number_assigned_by_user_code_goes_into_the_captured_tensor():
     assert float(lr) == pytest.approx(2e-3)
 
 
+def test_the_learning_rate_given_back_is_the_number_the_user_wrote_not_its_float32_rounding():
+    optimizer = _adamw()
+    switched = CapturableOptimizer(optimizer, torch.device("cpu"))
+    switched.restore()
+    assert optimizer.param_groups[0]["lr"] == 1e-3  # exactly: float32 holds 0.0010000000474974513
+    switched = CapturableOptimizer(optimizer, torch.device("cpu"))
+    optimizer.param_groups[0]["lr"] = 3e-4  # a hand-written warm-up, taken into the tensor
+    switched.refresh()
+    switched.restore()
+    assert optimizer.param_groups[0]["lr"] == 3e-4
+    switched = CapturableOptimizer(optimizer, torch.device("cpu"))
+    optimizer.param_groups[0]["lr"].fill_(5e-4)  # a scheduler's value: no number was written, the tensor's is given
+    switched.restore()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4) and optimizer.param_groups[0]["lr"] != 3e-4
+
+
 def test_sgd_is_fused_and_restored():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)

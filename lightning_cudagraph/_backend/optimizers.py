@@ -43,6 +43,8 @@ class CapturableOptimizer:
                 self._steps_on_cpu = True
                 state["step"] = step.to(device)
         self.lrs = [group["lr"] for group in self.groups]
+        #: The last learning rate of each group given as a number (at build, or by user code since).
+        self._numbers = [saved["lr"] if not isinstance(saved["lr"], Tensor) else None for saved in self._saved]
 
     @property
     def groups(self) -> list[dict[str, Any]]:
@@ -51,8 +53,10 @@ class CapturableOptimizer:
 
     def refresh(self) -> None:
         """Take a learning rate that user code assigned as a number into the captured tensor (no host sync)."""
-        for group, lr in zip(self.groups, self.lrs, strict=True):
+        for index, (group, lr) in enumerate(zip(self.groups, self.lrs, strict=True)):
             if group["lr"] is not lr:
+                if not isinstance(group["lr"], Tensor):
+                    self._numbers[index] = group["lr"]
                 lr.fill_(group["lr"])
                 group["lr"] = lr
 
@@ -74,9 +78,11 @@ class CapturableOptimizer:
                     state["step"] = step.cpu()
 
     def _plain_groups(self, groups: list[dict[str, Any]]) -> None:
-        for group, saved in zip(groups, self._saved, strict=True):
+        for group, saved, number in zip(groups, self._saved, self._numbers, strict=True):
             if isinstance(group.get("lr"), Tensor) and not isinstance(saved["lr"], Tensor):
-                group["lr"] = group["lr"].item()
+                held = group["lr"].item()
+                # The tensor holds the rate in float32: give back the number the user wrote when that is what it holds.
+                group["lr"] = number if number is not None and held == _in_float32(number) else held
             for key in ("capturable", "fused", "foreach"):
                 if key in group:
                     group[key] = saved[key]
@@ -85,6 +91,11 @@ class CapturableOptimizer:
     def _user_keeps_steps_on_cpu(self) -> bool:
         """Whether the optimizer as built keeps its step counts on the CPU (neither capturable nor fused)."""
         return self._steps_on_cpu or not any(saved["capturable"] or saved["fused"] for saved in self._saved)
+
+
+def _in_float32(number: float) -> float:
+    """``number`` as a float32 tensor holds it."""
+    return float(torch.tensor(float(number), dtype=torch.float32))
 
 
 def _to_fuse(group: dict[str, Any], device: torch.device) -> bool:
