@@ -47,6 +47,7 @@ G = "tests/test_guards.py::"
 T = "tests/test_input_messages.py::"
 M = "tests/test_manual_optimization.py::"
 B = "tests/test_blind_spots.py::"
+GEN = "tests/test_generators.py::"
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,9 @@ MUTATIONS: list[Mutation] = [
     m(
         "_backend/optimizers.py",
         '            if isinstance(group.get("lr"), Tensor) and not isinstance(saved["lr"], Tensor):\n'
-        '                group["lr"] = group["lr"].item()',
+        '                held = group["lr"].item()',
         '            if isinstance(group.get("lr"), Tensor) and not isinstance(saved["lr"], Tensor):\n'
-        "                pass",
+        "                continue",
         "checkpoints carry device-tensor learning rates",
         S + "test_checkpoints_of_the_whole_step_hold_float_learning_rates_and_the_users_flags",
         "tests/test_capturable_optimizer.py",
@@ -634,7 +635,8 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_trust/observation.py",
-        "            seen.random = [name for name, state in random_states().items() if draws.get(name) != state]",
+        "            seen.random = [name for name, state in random_states(modules).items()"
+        " if draws.get(name) != state]",
         "            seen.random = []",
         "a ratio drawn from Python's random is frozen at capture",
         P + "test_per_step_python_never_trains_off_eager",
@@ -1033,8 +1035,8 @@ MUTATIONS: list[Mutation] = [
     # blind spot, class 1: only the first parameter group's learning rate refreshed before a replay
     m(
         "_backend/optimizers.py",
-        "for group, lr in zip(self.groups, self.lrs, strict=True):",
-        "for group, lr in zip(self.groups[:1], self.lrs[:1], strict=True):",
+        "for index, (group, lr) in enumerate(zip(self.groups, self.lrs, strict=True)):",
+        "for index, (group, lr) in enumerate(zip(self.groups[:1], self.lrs[:1], strict=True)):",
         "a learning rate set by hand on the second parameter group has no effect on replayed whole steps",
         B + "test_a_learning_rate_of_the_second_parameter_group_set_by_hand_takes_effect_on_replayed_steps",
     ),
@@ -1147,8 +1149,8 @@ MUTATIONS: list[Mutation] = [
     # blind spot, class 9: every group given back with the first group's flags
     m(
         "_backend/optimizers.py",
-        "for group, saved in zip(groups, self._saved, strict=True):",
-        "for group, saved in zip(groups, [self._saved[0]] * len(groups), strict=True):",
+        "for group, saved, number in zip(groups, self._saved, self._numbers, strict=True):",
+        "for group, saved, number in zip(groups, [self._saved[0]] * len(groups), self._numbers, strict=True):",
         "an optimizer fused in one group only is given back (and checkpointed) with every group's flags the first's",
         B + "test_an_optimizer_fused_in_one_group_trains_as_eager_and_is_given_back_group_by_group",
     ),
@@ -1185,11 +1187,55 @@ MUTATIONS: list[Mutation] = [
         "a short scope='auto' fit keeps a level slower than eager: the bar includes the first (slow) eager step",
         B + "test_a_slow_first_step_does_not_make_a_level_slower_than_eager_look_faster_in_a_short_fit",
     ),
+    # ------------------------------------------------------------------ private generators: observed and put back
+    m(
+        "_trust/snapshot.py",
+        "        for held, saved in self.held:\n            held.restore(saved)\n",
+        "",
+        "a capture or shadow step advances a generator kept on the module (self.rng): the fit's draws shift off eager",
+        GEN + "test_a_layer_whose_forward_first_draws_at_its_capture_stays_eager_and_its_generator_as_eager",
+        GEN + "test_training_state_puts_back_a_generator_on_a_submodule",
+    ),
+    m(
+        "_trust/fingerprints.py",
+        "    for held in held_generators(modules):\n        states.setdefault(held.name, held.fingerprint())\n",
+        "",
+        "a loss weight drawn from self.rng is frozen into the whole step (replays repeat the captured draw)",
+        GEN + "test_a_generator_on_the_module_trains_as_eager_and_is_left_as_eager",
+    ),
+    m(
+        "_trust/generators.py",
+        "        return hash(state.numpy().tobytes())",
+        "        return 0",
+        "a draw from a CPU torch.Generator kept on the module goes unseen: the whole step freezes it",
+        GEN + "test_a_generator_on_the_module_trains_as_eager_and_is_left_as_eager[torch-cudagraph_full]",
+    ),
+    m(
+        "_trust/generators.py",
+        '        yield from ((f"{name}[{i}]", item) for i, item in enumerate(value) if is_generator(item))',
+        "        pass",
+        "generators kept in a list attribute (self.rngs[0]) are neither watched nor put back",
+        GEN + "test_a_span_names_a_draw_from_a_held_generator",
+    ),
+    m(
+        "_graphs/region_capture.py",
+        "        for name in self.drew.keys() - captured.failed.keys():",
+        "        for name in ():",
+        "a layer whose forward first draws at its capture is kept as a graph: every replay repeats the captured draw",
+        GEN + "test_a_layer_whose_forward_first_draws_at_its_capture_stays_eager_and_its_generator_as_eager",
+    ),
+    m(
+        "_graphs/step_capture.py",
+        "    if drawn:\n        return (",
+        "    if False:\n        return (",
+        "a whole step that first draws from self.rng at its capture is kept: every replay repeats that draw",
+        GEN + "test_a_whole_step_that_first_draws_at_its_capture_is_refused",
+    ),
     # ------------------------------------------------------------------ the guards and the fed learning rate
     m(
         "_backend/optimizers.py",
-        "group[\"lr\"] = number if number is not None and held == _in_float32(number) else held",
-        "group[\"lr\"] = held",
+        'group["lr"] = number if number is not None and held == _in_float32(number) else held',
+        'group["lr"] = held',
         "the learning rate given back after the fit is float32-rounded (0.0010000000474974513 for 1e-3)",
         "tests/test_capturable_optimizer.py::"
         "test_the_learning_rate_given_back_is_the_number_the_user_wrote_not_its_float32_rounding",

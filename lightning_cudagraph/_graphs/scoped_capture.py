@@ -16,6 +16,7 @@ from lightning_cudagraph._graphs.region_capture import NarrowingCapture, say_wha
 from lightning_cudagraph._graphs.regions import RegionSet
 from lightning_cudagraph._graphs.routing import CallRouter, GraphSet, ReplayEntry, StepRoute
 from lightning_cudagraph._options.batches import describe_batch_key
+from lightning_cudagraph._options.hooks import inner_backward_hooks
 from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.evidence import StateWatch
 from lightning_cudagraph._trust.guards import GuardSet
@@ -23,6 +24,15 @@ from lightning_cudagraph._trust.recording import CapturePlan, WarmupRecorder
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.shape_change import ShapeOutcome
 from lightning_cudagraph.health import Stage
+
+
+def backward_hooks_inside(region: str, hooked: list[str]) -> str:
+    """Why a region with backward hooks inside it stays eager."""
+    return (
+        f"backward hook(s) on {region}.{hooked[0]} inside it would not fire while it replays, and a replayed backward"
+        " is not compared with eager. Fix: register the hook on the region itself, or remove it for the fit"
+    )
+
 
 #: What a user can do about a value a region's forward read that changes between steps.
 GUARD_FIX = (
@@ -65,6 +75,10 @@ class GraphSetCapture:
     ) -> GraphSet | None:
         """Plan the capture from the shape's recorded steps and capture it; the first shape starts confirmation."""
         first = self.machine.stage == Stage.WARMUP
+        for target in self.regions.active_targets:
+            hooked = inner_backward_hooks(target.module)
+            if hooked:
+                self.regions.exclude(target.name, backward_hooks_inside(target.name, hooked))
         plan = self.recorder.plan(excluded=self.regions.left_out(), batch=batch)
         for name, why in plan.python.items():  # the same forward would vary again: eager for the rest of the fit
             self.regions.exclude(name, why)

@@ -106,12 +106,22 @@ def metric_in_graph(updated: list[str], failure: str = "") -> str:
     )
 
 
-def refused_capture(whole: WholeStep, position: Position, binding: GradientBinding, step: int) -> str | None:
+def refused_capture(
+    whole: WholeStep, position: Position, binding: GradientBinding, step: int, drawn: list[str]
+) -> str | None:
     """The rollback reason of a capture that ran but cannot be trusted with the fit, or ``None``.
 
     A step whose ``training_step`` skipped its batch holds no backward and no optimizer step. A later micro-batch of
-    an accumulation window must add into the gradients its window's first graph writes, not replace them.
+    an accumulation window must add into the gradients its window's first graph writes, not replace them. A step that
+    ``drawn`` from a private generator at its capture, which the observed steps did not show, would repeat the draw.
     """
+    if drawn:
+        return (
+            f"step_python: training_step drew from {', '.join(drawn)} at the captured step {step}, which a whole-step"
+            " graph would freeze (a replay draws nothing). Fix: draw with torch on the device (torch.rand(...,"
+            " device=self.device)), which a replay draws anew, or use a scoped level (strategy='cudagraph' or"
+            " scope=['layer'])"
+        )
     if step_loss(whole.output) is None:
         return (
             f"skipped_step: training_step returned None at step {step}, the step being captured, so its graph would"

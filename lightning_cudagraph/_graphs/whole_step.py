@@ -196,7 +196,7 @@ class WholeStepDriver(Driver):
         if metrics is None:
             self.binding.forget()
             return False
-        refusal = refused_capture(whole, plan.position, self.binding, module.trainer.global_step)
+        refusal = refused_capture(whole, plan.position, self.binding, module.trainer.global_step, before.drawn())
         if refusal is not None:
             whole.reset()
             before.restore()

@@ -79,12 +79,34 @@ def _is_state_method(cell: object) -> bool:
 
 #: The dicts whose hooks fire; the *_with_kwargs and *_always_called dicts only flag hooks that also sit in these.
 _FIRING = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_BACKWARD = ("_backward_pre_hooks", "_backward_hooks")
 
 
 def inner_hook_count(region: nn.Module) -> int:
     """Hooks on modules strictly inside ``region``: they do not fire while the region replays as a graph."""
     inner = [module for module in region.modules() if module is not region]
     return sum(len(getattr(module, name, ())) for module in inner for name in _FIRING)
+
+
+def inner_backward_hooks(region: nn.Module) -> list[str]:
+    """Names of the modules strictly inside ``region`` with backward hooks of their own (FSDP2's aside).
+
+    A replayed region runs its backward as a graph: these hooks would not fire, and nothing compares a backward with
+    eager the way forward parity does, so such a region stays eager.
+
+    Example:
+        >>> import torch
+        >>> block = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> _ = block[0].register_full_backward_pre_hook(lambda module, grad: grad)
+        >>> inner_backward_hooks(block)
+        ['0']
+    """
+    return [
+        name
+        for name, module in region.named_modules()
+        if module is not region
+        and any(not _sharding(hook) for n in _BACKWARD for hook in getattr(module, n, {}).values())
+    ]
 
 
 def hooked_modules(root: nn.Module) -> list[str]:

@@ -10,16 +10,32 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_cudagraph._trust.generators import held_generators
+
 __all__ = ["describe_changes", "python_state", "random_states"]
 
 
-def random_states() -> dict[str, Any]:
-    """The global random generators' states, by name (NumPy's only once imported)."""
+def random_states(modules: Sequence[torch.nn.Module] = ()) -> dict[str, Any]:
+    """The random generators' states by name: the global ones (NumPy's only once imported), and those ``modules`` hold.
+
+    A generator held on a module (or a submodule) is named by where it is held (``self.rng``, ``net.0.rng``).
+
+    Example:
+        >>> import random, torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer.rng = random.Random(0)
+        >>> before = random_states([layer])
+        >>> _ = layer.rng.random()
+        >>> [name for name, state in random_states([layer]).items() if before[name] != state]
+        ['self.rng']
+    """
     states: dict[str, Any] = {"Python's random": random.getstate()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         kind, keys, position, *_ = numpy.random.get_state()
         states["numpy.random"] = (kind, hash(keys.tobytes()), position)
+    for held in held_generators(modules):
+        states.setdefault(held.name, held.fingerprint())
     return states
 
 

@@ -39,7 +39,8 @@ class Behaviour:
     Attributes:
         reads: Per-step values read by user code (``self.global_step``, ``trainer.current_epoch``, ``batch_idx``)
             -> the line of the first read.
-        random: The global random generators (Python's, NumPy's) the span drew from.
+        random: The random generators the span drew from: the global ones (Python's, NumPy's) and those held on the
+            watched modules, by attribute (``self.rng``, ``net.0.rng``).
         mutated: Module attributes the span changed, described (torchmetrics states aside).
         trace: The operations launched and their non-tensor arguments (``None`` when not traced).
         skipped: Whether the step returned no loss (a skipped batch).
@@ -157,11 +158,13 @@ class Observer:
     ) -> Iterator[Behaviour]:
         """Watch what runs inside: reads through ``reader`` (and its Trainer), random draws, attributes of ``modules``.
 
+        Random draws are from the global generators and from those held on ``modules`` and their submodules.
+
         The yielded :class:`Behaviour` is filled in when the span ends. ``paused``: the trace starts at :meth:`resume`
         (what the optimizer runs before its closure is not the step's own).
         """
         seen = Behaviour()
-        before, draws = python_state(modules), random_states()
+        before, draws = python_state(modules), random_states(modules)
         excused: set[str] = set()
         start, owns = self._enter_trace(paused)
         try:
@@ -173,7 +176,7 @@ class Observer:
                 seen.trace = tuple(mode.ops[start:])
             if owns:
                 self._leave_trace()
-            seen.random = [name for name, state in random_states().items() if draws.get(name) != state]
+            seen.random = [name for name, state in random_states(modules).items() if draws.get(name) != state]
             after = {name: value for name, value in python_state(modules).items() if name not in excused}
             seen.mutated = describe_changes({k: v for k, v in before.items() if k not in excused}, after)
 

@@ -2,7 +2,8 @@
 
 A dropped whole-step capture has still run ``training_step`` 's Python: a torchmetrics ``update`` bumped its counters
 and may have rebound its states to tensors in the graph's pool, a counter moved, the CPU generator drew. A shadow step
-changes the parameters and the optimizer too. Putting it all back makes the step run exactly once.
+changes the parameters and the optimizer too, and a generator the step draws from (the global ones, and those kept on
+the module or a submodule) has drawn once more. Putting it all back makes the step run exactly once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+
+from lightning_cudagraph._trust.generators import HeldGenerator, held_generators
 
 _SCALARS = (bool, int, float, str, type(None))
 #: Python-side bookkeeping of a torchmetrics ``Metric`` besides its registered states.
@@ -51,6 +54,8 @@ class TrainingState:
     optimizer_state: list[tuple[dict[str, Any], str, Any, Any]] = field(default_factory=list)
     tensors: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     generators: tuple[Any, ...] = ()
+    #: The generators held on the module or its submodules, each with its state.
+    held: list[tuple[HeldGenerator, Any]] = field(default_factory=list)
     cuda: tuple[int, Tensor] | None = None
 
     @classmethod
@@ -61,7 +66,7 @@ class TrainingState:
         device: torch.device | None = None,
         extra: list[Tensor] | tuple[Tensor, ...] = (),
     ) -> TrainingState:
-        """Copy the module's metrics, plain attributes, buffers and the random generators.
+        """Copy the module's metrics, plain attributes, buffers and the random generators (those it holds included).
 
         Args:
             module: The LightningModule (every submodule is included).
@@ -70,6 +75,7 @@ class TrainingState:
             extra: Other tensors to put back in place (a grad scaler's scale).
         """
         state = cls(generators=(torch.get_rng_state(), random.getstate(), _numpy_state()))
+        state.held = [(held, held.state()) for held in held_generators([module])]
         with torch.no_grad():
             state.tensors = [(t, t.clone()) for t in extra]
             for sub in module.modules():
@@ -129,8 +135,17 @@ class TrainingState:
         torch.set_rng_state(self.generators[0])
         random.setstate(self.generators[1])
         _set_numpy_state(self.generators[2])
+        for held, saved in self.held:
+            held.restore(saved)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda[1], self.cuda[0])
+
+    def drawn(self) -> list[str]:
+        """The generators held on the module that drew since :meth:`take` (by where they are held), before a restore.
+
+        A capture that drew from one holds that draw: every replay would repeat it.
+        """
+        return [held.name for held, saved in self.held if held.fingerprint() != held.fingerprint(saved)]
 
     def parameters_now(self) -> list[Tensor]:
         """The parameters as they are now (copies), in the order they were taken."""
