@@ -22,8 +22,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.core.figures import finite, max_abs_diff, ratio
-from benchmarks.core.markdown import NA, by_variant, cell, env_line, num, table, times
+from benchmarks.core.figures import finite, max_abs_diff, ratio, round_ratios
+from benchmarks.core.markdown import NA, by_variant, cell, env_line, num, rounds_ratio, table, times
 from benchmarks.core.zoo_summary import zoo_section, zoo_summary
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,24 +155,25 @@ def scoped_readme_section(records: list[dict[str, Any]]) -> str:
     hand, reads = found["handwritten"]["shapes"].values(), found["host_read"]["cases"]
     graph, compiled = found["optimizer_graph"], found["scoped_compile"]["models"]
     layers = "/".join(str(got["layers"]) for got in hand)
-    per_shape = lambda variant: " / ".join(times(got["ratio"][variant], 2) for got in hand)  # noqa: E731
+    per_shape = lambda variant: " / ".join(rounds_ratio(got["ratios"][variant]) for got in hand)  # noqa: E731
     rows = [
         [f'`CUDAGraphStrategy(scope=["layer"])`, step time against a hand-written per-layer capture, GPT of {layers}'
          " layers", per_shape("layer-strategy"), "at most 1.00x"],
         ['`CUDAGraphCallback(scope=["layer"])`, the same (the same graphs, the optimizer step eager)',
          per_shape("layer"), ""],
         ['`strategy="cudagraph"` against the callback\'s `layer`: `loss.item()` in `training_step` / a boolean-mask'
-         " loss", " / ".join(times(got["auto_vs_layer"], 2) for got in reads.values()),
+         " loss", " / ".join(rounds_ratio(auto_vs_layer(got)) for got in reads.values()),
          f"at least {times(found['host_read']['goal'])}"],
-        [f'The optimizer graph, `scope=["layer"]`, {graph["precision"]}', times(graph["speedup"], 2),
+        [f'The optimizer graph, `scope=["layer"]`, {graph["precision"]}', rounds_ratio(graph["speedup_per_round"]),
          f"at least {times(graph['goal'])}"],
         ['`compile=True` on `scope=["layer"]`, medium GPT (GPU-paced), bf16-mixed',
-         times(compiled["medium"]["speedup"], 2), f"at least {times(found['scoped_compile']['goal'])}"],
+         rounds_ratio(compiled["medium"]["speedup_per_round"]), f"at least {times(found['scoped_compile']['goal'])}"],
     ]  # fmt: skip
     sources = ", ".join(f"`{Path(found[k]['file']).parent}/`" for k in found)
     return (
-        "## README table: steps that are not one graph\n\nSmall GPT unless named, each the median of alternated"
-        f" rounds on one GPU. Sources: {sources}.\n\n" + table(["what", "measured", "goal"], rows, "lrl")
+        "## README table: steps that are not one graph\n\nSmall GPT unless named, on one GPU. Each figure is the"
+        " median of the ratios of alternated rounds (each round's two fits compared), with their range in brackets."
+        f" Sources: {sources}.\n\n" + table(["what", "measured", "goal"], rows, "lrl")
     )
 
 
@@ -386,19 +387,36 @@ def per_model(
     return rows, "".join(notes)
 
 
+def against_eager(record: dict[str, Any], model: str, result: dict[str, Any]) -> list[float]:
+    """A variant's speed ratio over eager in each alternated round of a per-model record (per sample)."""
+    eager = record["models"][model]["eager"]
+    scale = (result.get("batch_size") or 1) / (eager.get("batch_size") or 1)  # a step of a larger batch: per sample
+    return [r * scale for r in round_ratios(eager.get("round_ms") or [], result.get("round_ms") or [])]
+
+
+def auto_vs_layer(case: dict[str, Any], against: str = "layer") -> list[float]:
+    """``strategy="cudagraph"`` against ``against`` in each alternated round of a ``host_read`` case."""
+    return round_ratios(case["round_ms"][against], case["round_ms"]["auto"])
+
+
 def accumulation_section(record: dict[str, Any]) -> str:
     """``benchmarks/accumulation.py``: the whole step with accumulation, per sample, against eager and a 4x batch."""
     head = ["model", "variant", "batch x accumulate", "ms per micro-batch", "ms per sample", "vs eager", "peak MiB"]
     rows, parity = per_model(
         record,
         lambda model, variant, r: [model, label(variant), f"{r['batch_size']} x {r['accumulate']}",
-                                   num(r["median_ms"], 3), num(r["ms_per_sample"], 3), times(r["x_eager"]),
+                                   num(r["median_ms"], 3), num(r["ms_per_sample"], 3),
+                                   rounds_ratio(against_eager(record, model, r)),
                                    num(r["peak_mib"], 0)],
         lambda model, r: f"{model}: {r['steps']} optimizer steps, largest loss difference {num(r['max_loss_diff'], 7)},"
                          f" largest relative parameter difference {num(r['max_rel_param_diff'], 6)}"
                          f" ({r.get('worst_param', 'n/a')})",
     )  # fmt: skip
-    return f"{table(head, rows, 'llrrrrr')}\nParity, eager against `full_iteration` (accumulate 4):\n\n{parity}"
+    intro = (
+        "Each variant's ms is its fastest round's median; vs eager is the median of the ratios of the rounds"
+        " (eager's round over the variant's, per sample), with their range in brackets.\n\n"
+    )
+    return f"{intro}{table(head, rows, 'llrrrlr')}\nParity, eager against `full_iteration` (accumulate 4):\n\n{parity}"
 
 
 def cnn_section(record: dict[str, Any]) -> str:
@@ -407,7 +425,8 @@ def cnn_section(record: dict[str, Any]) -> str:
 
     def row(model: str, variant: str, r: dict[str, Any]) -> list[str]:
         level = (r.get("report") or {}).get("level")
-        return [model, label(variant), f"`{level}`" if level else "", num(r["median_ms"], 2), times(r["x_eager"])]
+        vs_eager = rounds_ratio(against_eager(record, model, r))
+        return [model, label(variant), f"`{level}`" if level else "", num(r["median_ms"], 2), vs_eager]
 
     rows, parity = per_model(
         record,
@@ -416,8 +435,11 @@ def cnn_section(record: dict[str, Any]) -> str:
                          f" {num(r['max_loss_diff'], 7)}, largest BatchNorm buffer difference"
                          f" {num(r['max_buffer_diff'], 7)} ({r.get('worst_buffer', 'n/a')})",
     )  # fmt: skip
-    batch = f"Batch {record['batch_size']}, {record['size']}x{record['size']} images"
-    return f"{batch}.\n\n{table(head, rows, 'lllrr')}\nParity, eager against `auto` (deterministic cuDNN):\n\n{parity}"
+    batch = (
+        f"Batch {record['batch_size']}, {record['size']}x{record['size']} images. Each variant's ms is its fastest"
+        " round's median; vs eager is the median of the ratios of the rounds, with their range in brackets"
+    )
+    return f"{batch}.\n\n{table(head, rows, 'lllrl')}\nParity, eager against `auto` (deterministic cuDNN):\n\n{parity}"
 
 
 def optimizer_graph_section(record: dict[str, Any]) -> str:
@@ -439,8 +461,11 @@ def optimizer_graph_section(record: dict[str, Any]) -> str:
         f'The {record["model"]} GPT, {record["precision"]}, `scope=["layer"]` through `CUDAGraphStrategy`,'
         f" {record['rounds']} alternated rounds. Eager Lightning: {num(record['eager_ms'], 3)} ms per step.\n\n"
         + table(head, rows, "lrl")
-        + f"\nThe optimizer graph: **{times(record['speedup'], 3)}** per step (goal {times(record['goal'])}; per round"
-        f" {', '.join(times(r, 3) for r in record['speedup_per_round'])}).\n\n"
+        + f"\nThe optimizer graph: {rounds_ratio(record['speedup_per_round'], 3, bold_from=record['goal'])} per step,"
+        f" the median of the ratios of the rounds with their range (goal {times(record['goal'])}; per round"
+        f" {', '.join(times(r, 3) for r in record['speedup_per_round'])}). The ratio of the two medians above is"
+        f" {times(record['speedup'], 3)}; a round compares two fits that ran side by side, so its ratio is the"
+        " figure to read.\n\n"
         f"Parity over {record['steps']} steps, fused AdamW with a learning rate a float32 tensor holds exactly (the"
         f" same arithmetic): largest loss difference {num(same['max_loss_diff'], None)}, largest relative parameter"
         f" difference {num(same['max_rel_param_diff'], None)}. With the AdamW a user writes (the `foreach` form), the"
@@ -456,29 +481,32 @@ def host_read_section(record: dict[str, Any]) -> str:
     head = ["variant", "level", "ms per step (median of rounds)", "vs eager", "rounds", "loss difference"]
     parts = [
         f"The {record['model']} GPT, fp32, {record['rounds']} alternated rounds, median over the last"
-        f" {record['timed']} of {record['steps']} steps; the loss difference is the largest per step against eager.\n"
+        f" {record['timed']} of {record['steps']} steps; vs eager is the median of the ratios of the rounds, with"
+        " their range; the loss difference is the largest per step against eager.\n"
     ]
     for kind, got in record["cases"].items():
         rows = [
             [names.get(v, label(v)), f"`{level}`" if (level := got["report"][v]["level"]) else "",
-             num(got["median_ms"][v], 3), times(got["vs_eager"][v]), " / ".join(num(r, 2) for r in got["round_ms"][v]),
+             num(got["median_ms"][v], 3), rounds_ratio(round_ratios(got["round_ms"]["eager"], got["round_ms"][v])),
+             " / ".join(num(r, 2) for r in got["round_ms"][v]),
              num(got["max_loss_diff"][v], None)]
             for v in got["median_ms"]
         ]  # fmt: skip
         parts.append(
-            f'### {titles.get(kind, kind)}\n\n{table(head, rows, "llrrlr")}\n`strategy="cudagraph"`:'
-            f" {times(got['auto_vs_layer'], 3)} the callback's `layer` (goal {times(record['goal'])}),"
-            f" {times(got['auto_vs_layer_strategy'], 3)} `layer` through the strategy.\n"
+            f'### {titles.get(kind, kind)}\n\n{table(head, rows, "llrllr")}\n`strategy="cudagraph"`:'
+            f" {rounds_ratio(auto_vs_layer(got), 3)} the callback's `layer` (goal {times(record['goal'])}),"
+            f" {rounds_ratio(auto_vs_layer(got, 'layer-strategy'), 3)} `layer` through the strategy; each the median"
+            " of the ratios of the rounds, with their range.\n"
         )
     return "\n".join(parts) + "\n" + env_line(record)
 
 
 def scoped_compile_section(record: dict[str, Any]) -> str:
     """``benchmarks/scoped_compile.py``: ``compile=True`` on ``layer`` through the strategy, per model."""
-    head = ["model", "`compile=False` ms", "`compile=True` ms", "compile speedup", "per round"]
+    head = ["model", "`compile=False` ms", "`compile=True` ms", "compile speedup (median of rounds)", "per round"]
     rows = [
         [f"{model} GPT", *(num(got["median_ms"][v], 3) for v in got["median_ms"]),
-         f"**{times(got['speedup'], 3)}**" if got["speedup"] >= record["goal"] else times(got["speedup"], 3),
+         rounds_ratio(got["speedup_per_round"], 3, bold_from=record["goal"]),
          ", ".join(times(r, 3) for r in got["speedup_per_round"])]
         for model, got in record["models"].items()
     ]  # fmt: skip
@@ -490,7 +518,7 @@ def scoped_compile_section(record: dict[str, Any]) -> str:
         " between fits and processes, so the same pair can be host-paced in another run (`docs/compile.md`,"
         ' "When it pays").\n\n'
     )
-    return intro + table(head, rows, "lrrrl") + "\n" + env_line(record)
+    return intro + table(head, rows, "lrrll") + "\n" + env_line(record)
 
 
 def handwritten_section(record: dict[str, Any]) -> str:
@@ -526,6 +554,23 @@ def _pyplot() -> Any:
     return plt
 
 
+#: What each bar colour of a chart stands for (its legend).
+LEGEND = {
+    "tab:gray": "eager",
+    "tab:blue": "lightning_cudagraph",
+    "tab:green": "compiled kernels (torch.compile)",
+    "tab:orange": "without the package (hand-written, Thunder)",
+}
+
+
+def chart_label(key: str) -> str:
+    """A bar's label in the docs' names: ``small layer-strategy`` reads ``small GPT: CUDAGraphStrategy(...)``."""
+    model, _, variant = key.partition(" ")
+    if variant in LABELS:
+        return f"{model} GPT: {chart_label(variant)}"
+    return label(key).replace("`", "")
+
+
 def color(variant: str) -> str:
     """Grey for eager, orange for code without the package, green for compiled, blue for the package."""
     if variant.endswith("eager"):
@@ -550,7 +595,7 @@ def bar_rows(results: Sequence[dict[str, Any]]) -> list[Bar]:
 def bars(rows: Sequence[Bar], title: str, path: Path) -> Path:
     """Horizontal bars of ms/step with p25-p75 whiskers, labelled with the speedup over eager."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 2.0))
     positions = range(len(rows))
     high = [max(0.0, row[3] - row[1]) for row in rows]
     ax.barh(positions, [row[1] for row in rows], xerr=[[max(0.0, row[1] - row[2]) for row in rows], high],
@@ -558,8 +603,11 @@ def bars(rows: Sequence[Bar], title: str, path: Path) -> Path:
     for position, row, above in zip(positions, rows, high, strict=True):
         if row[4] is not None:
             ax.text(row[1] + above, position, f"  {row[4]:.2f}x", va="center", fontsize=8)
-    ax.set_yticks(list(positions), [row[0] for row in rows])
+    ax.set_yticks(list(positions), [chart_label(row[0]) for row in rows], fontsize=8)
     ax.invert_yaxis()
+    colors = dict.fromkeys(color(row[0]) for row in rows)
+    legend = [plt.Rectangle((0, 0), 1, 1, color=c, label=LEGEND[c]) for c in colors]
+    ax.legend(handles=legend, loc="lower right", fontsize=8)
     ax.set_xlabel("median ms/step (whiskers: p25-p75; labels: speedup over eager Lightning)")
     ax.set_title(title, fontsize=10)
     ax.margins(x=0.15)
@@ -576,7 +624,7 @@ def sweep_chart(run: dict[str, Any], title: str, path: Path) -> Path:
         points = [(b, s) for b, f in found if (s := ratio(ms(f, "eager"), ms(f, variant))) is not None]
         if variant != "eager" and points:
             style = "--" if variant.startswith("pytorch") else "-"
-            ax.plot(*zip(*points, strict=True), style, marker="o", label=variant)
+            ax.plot(*zip(*points, strict=True), style, marker="o", label=chart_label(variant))
     ax.axhline(1.0, color="grey", linewidth=1, label="eager (1.0)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
@@ -591,7 +639,7 @@ def sweep_chart(run: dict[str, Any], title: str, path: Path) -> Path:
 def save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     _pyplot().close(fig)
     return path
 

@@ -8,6 +8,7 @@ Importing the package registers the strategy names ``cudagraph``, ``cudagraph_at
 from importlib.metadata import PackageNotFoundError, version
 
 from lightning_cudagraph._trust.failure import GraphFailure
+from lightning_cudagraph._warnings import CUDAGraphWarning
 from lightning_cudagraph.bucketing import PadToBucket
 from lightning_cudagraph.callback import CUDAGraphCallback
 from lightning_cudagraph.health import CUDAGraphReport, Stage
@@ -26,6 +27,7 @@ __all__ = [
     "CUDAGraphCallback",
     "CUDAGraphReport",
     "CUDAGraphStrategy",
+    "CUDAGraphWarning",
     "DDPCUDAGraphStrategy",
     "GraphFailure",
     "ModelParallelCUDAGraphStrategy",

@@ -44,7 +44,7 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         ``compile=``, ``cudagraph/compile_s`` and ``cudagraph/recompiles``; for a scoped level's optimizer graph
         (through the package's strategies), ``cudagraph/optimizer_graph`` (numbered like the stage).
         The same figures, the levels tried, and the reasons behind fallbacks, exclusions and rollbacks are in
-        :attr:`report`.
+        ``report``.
 
     One per Trainer: a second ``CUDAGraphCallback`` is refused (the strategies add one only when there is none).
 
@@ -52,10 +52,10 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
             ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
         scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package's
-            strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph._rollout.ladder`), or a list from
-            ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a
-            comma-separated string works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and
-            needs :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.
+            strategies, the whole step; keep the fastest that works), or a list from ``full_iteration, attn, mlp, moe,
+            moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a comma-separated string works too:
+            ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs ``CUDAGraphStrategy`` or
+            ``DDPCUDAGraphStrategy``.
         warmup_steps: Eager optimizer steps before capture (at least one step always runs eagerly; at least 11 for
             ``full_iteration`` under DDP).
         modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on qualified
@@ -65,7 +65,7 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         on_shape_change: What a batch of another shape does once graphs exist: ``"eager"`` (that step runs eagerly,
             counted), ``"recapture"`` (the shape gets its own eager step, capture and confirmation; the ``max_graphs``
             least recently used graph sets are kept, others evicted and captured again when their shape returns) or
-            ``"error"``. Pad batches to a few lengths (:mod:`lightning_cudagraph.bucketing`).
+            ``"error"``. Pad batches to a few lengths (``lightning_cudagraph.PadToBucket``).
         on_failure: ``"eager"`` (roll back and keep training eagerly, with a warning) or ``"raise"``.
         max_graphs: Most graph sets (batch shapes) held with ``on_shape_change="recapture"`` (at least 2; 4 when not
             given). Only with ``"recapture"``: the other policies keep one graph set.
@@ -76,9 +76,9 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         max_pool_mib: Memory budget of the graphs' pool in MiB (``None``: no limit).
         seal_after_steps: From this optimizer step on (at most ``Trainer(max_steps=...)``), the set of batch shapes is
             closed: a shape without graphs raises, naming it and the captured shapes (``None``: never;
-            :meth:`~lightning_cudagraph.CUDAGraphCallback.seal` closes it by hand). A seal taken before the first
-            capture (during the eager warmup steps) closes the set to the shape that warmup captures: that shape is
-            still captured when warmup ends, and any other shape raises.
+            ``CUDAGraphCallback.seal()`` closes it by hand). A seal taken before the first capture (during the eager
+            warmup steps) closes the set to the shape that warmup captures: that shape is still captured when warmup
+            ends, and any other shape raises.
         audit_every_n_steps: The numerics guard: every this many replayed steps, the graphs are checked against eager on
             a real batch. The whole step runs a shadow step (the graph replays, the state is put back, the step runs
             eagerly and is kept; loss and parameter update must agree); scoped graphs check one region's forward against
@@ -88,18 +88,17 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         eval_graphs: Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole
             evaluation step through the package's strategies, the trained level's regions through the callback alone
             (each graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:
-            evaluation always runs eagerly. See :mod:`lightning_cudagraph._rollout.evaluation`.
+            evaluation always runs eagerly.
         optimizer_graph: Through the package's strategies, a scoped level replays the optimizer's update (with its
             learning-rate tensors) as a graph of its own after the eager backward, checked against the eager update
             first. ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback
-            alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph._graphs.optimizer_graph`.
+            alone cannot own the optimizer step: both ignore it.
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
             ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed ``scope``
             (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
-            ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See
-            :mod:`lightning_cudagraph._backend.compiling`.
+            ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs.
 
     Raises:
         ValueError: On an option or combination that cannot work, naming the value, what is allowed and the fix.

@@ -79,7 +79,7 @@ class Stage(IntEnum):
 class EvaluationRecord:
     """The evaluation graphs of a fit or loop (validation, test, predict).
 
-    Made by :mod:`lightning_cudagraph._rollout.evaluation`.
+    Made by the evaluation graphs of the callback and the strategies.
 
     Attributes:
         mode: What the last evaluation loop ran on: ``"whole_step"`` (one forward-only graph per step hook and
@@ -113,7 +113,7 @@ class CUDAGraphReport:
     """Everything the rollout measured and decided, readable in code as ``callback.report``.
 
     Attributes:
-        stage: The current :class:`Stage`.
+        stage: The current ``Stage``.
         reason: Why graphs are off (``no_cuda``, ``impl_none``, ``no_targets``, ``shape_unstable: ...``,
             ``nonfinite_warmup``, ``rollback: ...``), or ``None``.
         scopes: Modules found per scope (before nested matches were folded into their enclosing region).
@@ -141,7 +141,7 @@ class CUDAGraphReport:
         memory_before_capture: ``torch.cuda.memory_allocated()`` right before the first capture, in bytes.
         nonfinite: Non-finite losses seen, as ``(first step, count)`` per detection.
         level: The level graphs run at (``attn``, ``attn+mlp``, ``layer``, ``full_iteration``); with a fixed
-            scope, ``None``. Logged as ``cudagraph/level``, the level's number in :data:`LEVEL_NUMBERS`.
+            scope, ``None``. Logged as ``cudagraph/level``, the level's number in ``LEVEL_NUMBERS``.
         ladder: The levels ``scope="auto"`` tried, in order, with their step times and outcomes.
         exclusions: Regions left eager, by qualified name, with the reason (a failed capture or parity check).
         capture_ms_total: Host time of every capture of the fit, summed (the ladder's captures included).
@@ -154,7 +154,7 @@ class CUDAGraphReport:
         optimizer_replays: Replays of the optimizer step's graph.
         optimizer_parity_err: Largest relative difference between the optimizer graph's update and the eager
             update from the same state on the same gradients (parameters and optimizer state).
-        evaluation: The evaluation loops' graphs (:class:`EvaluationRecord`).
+        evaluation: The evaluation loops' graphs (an ``EvaluationRecord``).
 
     Example:
         A fit on a CPU: graphs are off, the report says why, and training ran eagerly.

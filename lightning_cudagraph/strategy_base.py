@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_cudagraph._backend.backend_setting import HoldsCaptureBackend
@@ -30,6 +29,7 @@ from lightning_cudagraph._options.config import CUDAGraphConfig, config_error
 from lightning_cudagraph._options.environment import ensure_graph_safe_allocator
 from lightning_cudagraph._options.normalization import plain
 from lightning_cudagraph._rollout.rollout import Rollout
+from lightning_cudagraph._warnings import warn_user
 from lightning_cudagraph.callback import CUDAGraphCallback
 
 __all__ = ["CUDAGraphStrategyBase", "attach_callback"]
@@ -183,7 +183,7 @@ def attach_callback(trainer: pl.Trainer, strategy: CUDAGraphStrategyBase) -> CUD
     existing = [cb for cb in trainer_callbacks(trainer) if isinstance(cb, CUDAGraphCallback)]
     if existing:
         if existing[0].config != config and config != CUDAGraphConfig():
-            rank_zero_warn(
+            warn_user(
                 "CUDAGraphCallback was given both as a callback and through the strategy's options; the callback's"
                 " options apply."
             )

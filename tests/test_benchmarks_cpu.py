@@ -306,8 +306,9 @@ def test_the_committed_results_give_every_docs_section(tmp_path):
     assert headings[0] == "## README table" and len(headings) == 18, headings
     assert "## Dropless MoE: the zoo's Hugging Face MoE entries" in headings
     assert "## Gradient accumulation inside the whole step" in headings
-    reads = json.loads((report.RESULTS / "host_read" / "host_read.json").read_text())["cases"]["item"]["median_ms"]
-    assert f"{reads['layer'] / reads['auto']:.3f}x the callback's `layer`" in text
+    reads = json.loads((report.RESULTS / "host_read" / "host_read.json").read_text())["cases"]["item"]["round_ms"]
+    per_round = sorted(layer / auto for layer, auto in zip(reads["layer"], reads["auto"], strict=True))
+    assert f"{per_round[1]:.3f}x ({per_round[0]:.3f}-{per_round[2]:.3f}x) the callback's `layer`" in text
     scoped = json.loads((report.RESULTS / "scoped_compile" / "scoped_compile.json").read_text())["models"]["medium"]
     plain, compiled = scoped["median_ms"].values()
     assert f"| medium GPT | {plain:.3f} | {compiled:.3f} |" in text

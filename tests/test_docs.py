@@ -21,6 +21,8 @@ import lightning.pytorch as pl
 import pytest
 import yaml  # type: ignore[import-untyped]
 
+from benchmarks.core.figures import round_ratios
+from benchmarks.core.markdown import rounds_ratio
 from lightning_cudagraph import CUDAGraphCallback
 from lightning_cudagraph._options.options import FULL_ITERATION, OPTIONS, SCOPES
 from lightning_cudagraph.health import LEVEL_NUMBERS, CUDAGraphReport
@@ -205,9 +207,13 @@ def test_the_readme_comparison_with_compile_and_thunder_is_the_committed_json() 
     env = record["environment"]
     assert env["gpu"] in paragraph and f"torch {env['torch']}" in paragraph and record["precision"] in paragraph
     order = ["compile_reduce_overhead", "thunder", "full_iteration", "full_iteration+compile"]
-    speedups = {m: {r["variant"]: r["speedup"] for r in got["results"]} for m, got in record["models"].items()}
-    expected = [f"{speedups[model][variant]:.2f}" for model in ("small", "medium") for variant in order]
-    assert re.findall(r"(\d+\.\d+)x", paragraph) == expected
+    rounds = {m: {r["variant"]: r["round_ms"] for r in got["results"]} for m, got in record["models"].items()}
+    expected = [
+        rounds_ratio(round_ratios(rounds[model]["eager"], rounds[model][variant]))
+        for model in ("small", "medium")
+        for variant in order
+    ]
+    assert re.findall(r"\d+\.\d+x \(\d+\.\d+-\d+\.\d+x\)", paragraph) == expected
 
 
 # =================================================================== the glossary and the metric list

@@ -1,4 +1,4 @@
-"""Figures from measurements: quantiles, speed ratios, the fastest of alternated rounds, loss parity."""
+"""Figures from measurements: quantiles, speed ratios, per-round ratios of alternated rounds, loss parity."""
 
 from __future__ import annotations
 
@@ -53,6 +53,30 @@ def ratio(reference_ms: float | None, ms: float | None) -> float | None:
     if finite(reference_ms) is None or finite(ms) is None or ms <= 0:  # type: ignore[operator]
         return None
     return reference_ms / ms  # type: ignore[operator]
+
+
+def round_ratios(reference_ms: Sequence[float | None], ms: Sequence[float | None]) -> list[float]:
+    """The speed ratio of each alternated round: round i of the reference over round i of the variant.
+
+    A reader compares the two fits of one round, which ran side by side; rounds where either is missing are left out.
+
+    Example:
+        >>> round_ratios([10.0, 12.0, None], [5.0, 4.0, 3.0])
+        [2.0, 3.0]
+    """
+    return [r for a, b in zip(reference_ms, ms, strict=False) if (r := ratio(a, b)) is not None]
+
+
+def median_and_range(values: Sequence[float]) -> tuple[float, float, float] | None:
+    """The median of per-round figures, with the smallest and the largest (``None`` for no values).
+
+    Example:
+        >>> median_and_range([1.09, 1.53, 1.21, 1.46, 1.12])
+        (1.21, 1.09, 1.53)
+    """
+    if not values:
+        return None
+    return quantile(values, 0.5), min(values), max(values)
 
 
 def least(fits: Sequence[dict[str, Any]], figure: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.core.figures import finite
+from benchmarks.core.figures import finite, median_and_range
 
 NA = "n/a"
 
@@ -20,6 +20,26 @@ def num(value: Any, digits: int | None = 2) -> str:
 def times(value: float | None, digits: int = 2) -> str:
     """A speed ratio: ``2.26x``."""
     return NA if value is None else f"{value:.{digits}f}x"
+
+
+def rounds_ratio(ratios: Sequence[float], digits: int = 2, bold_from: float | None = None) -> str:
+    """The median of per-round speed ratios with their range: ``1.21x (1.09-1.53x)``; bold from ``bold_from`` on.
+
+    One round, or rounds that agree to ``digits``, show no range.
+
+    Example:
+        >>> rounds_ratio([1.09, 1.53, 1.21, 1.46, 1.12])
+        '1.21x (1.09-1.53x)'
+    """
+    found = median_and_range(ratios)
+    if found is None:
+        return NA
+    median, low, high = found
+    text = times(median, digits)
+    if bold_from is not None and median >= bold_from:
+        text = f"**{text}**"
+    shown = f"{low:.{digits}f}", f"{high:.{digits}f}"
+    return text if shown[0] == shown[1] else f"{text} ({shown[0]}-{shown[1]}x)"
 
 
 def cell(text: Any, limit: int = 200) -> str:

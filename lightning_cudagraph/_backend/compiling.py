@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.nn as nn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_cudagraph._options.compile_options import CompileOptions
+from lightning_cudagraph._warnings import warn_user
 
 __all__ = ["CompileWatch", "CompiledForwards", "CompiledModules", "called_modules"]
 
@@ -199,7 +199,7 @@ class CompileWatch:
             return
         self.report.recompiles += 1
         if self.report.recompiles == 1:
-            rank_zero_warn(
+            warn_user(
                 f"{self.component}: torch.compile compiled again after the capture ({_compile_id(args)}): a guard of"
                 " the compiled code failed on an eager path (another batch shape, a fallback, evaluation). Graphs"
                 " keep the kernels compiled before. Run with TORCH_LOGS=recompiles to see which guard."

@@ -15,13 +15,14 @@ import math
 import os
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch.distributed as dist
+
+from lightning_cudagraph._warnings import warn_user
 
 __all__ = ["EXIT_CODE", "Marker", "ReplayWatchdog", "StepTimes", "replay_bound_s", "replay_floor_s"]
 
@@ -195,13 +196,13 @@ class ReplayWatchdog:
         floor = replay_floor_s(self.step_ms)
         if self.timeout_s is not None and floor > asked and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn_user(
                 f"replay watchdog: rank {self.rank}: replay_timeout_s={duration(self.timeout_s)} is below the floor"
                 f" of {STEPS_IN_FLOOR} measured steps, at least {duration(MIN_FLOOR_S)} (the longest step measured"
                 f" took {self._measured()}); the bound is raised to {duration(floor)}, and follows the steps measured"
                 " from now on, so that a healthy fit is not ended. Pass a larger replay_timeout_s, or None for the"
                 " default bound",
-                stacklevel=3,
+                all_ranks=True,
             )
         self.bound_s = max(asked, floor)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend, StepGraph
@@ -33,6 +33,7 @@ from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph._trust.tolerance import STEP_TOL
+from lightning_cudagraph._warnings import warn_user
 
 __all__ = ["OptimizerGraph"]
 
@@ -247,7 +248,7 @@ class OptimizerGraph:
         self._set_state(reason)
         self._reset_graph()
         if not reason.startswith("optimizer_not_graphed: manual"):
-            rank_zero_warn(f"{self.component}: the optimizer step stays eager, the regions keep their graphs: {reason}")
+            warn_user(f"{self.component}: the optimizer step stays eager, the regions keep their graphs: {reason}")
 
     # ------------------------------------------------------------------ levels, checkpoints, release
     def _reset_graph(self) -> None:

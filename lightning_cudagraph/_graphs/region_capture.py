@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._backend.backend import (
     CaptureBackend,
@@ -29,6 +29,7 @@ from lightning_cudagraph._trust.capture_hints import capture_failure
 from lightning_cudagraph._trust.evidence import MetricUpdates
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
+from lightning_cudagraph._warnings import warn_user
 
 
 class NarrowingCapture:
@@ -165,11 +166,11 @@ def say_what_stays_eager(component: str, targets: Sequence[Target], skipped: dic
     for name, why in skipped.items():
         rank_zero_info(f"{component}: {name} stays eager: {why}")
     if note := global_hooks_warning(component, [target.name for target in targets]):
-        rank_zero_warn(note)
+        warn_user(note)
     for target in targets:
         hooks = inner_hook_count(target.module)
         if hooks:
-            rank_zero_warn(
+            warn_user(
                 f"{component}: {hooks} hook(s) on modules inside {target.name} fire during eager steps only,"
                 " not while it replays as a graph (hooks on the region itself keep firing)."
             )

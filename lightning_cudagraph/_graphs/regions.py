@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 from lightning_cudagraph._options.scopes import Target
+from lightning_cudagraph._warnings import warn_user
 from lightning_cudagraph.health import CUDAGraphReport
 
 
@@ -57,7 +56,7 @@ class RegionSet:
         self.excluded[name] = reason
         self.report.exclusions[name] = reason
         if warn:
-            rank_zero_warn(f"{self.component}: {name} stays eager, the other regions keep their graphs: {reason}")
+            warn_user(f"{self.component}: {name} stays eager, the other regions keep their graphs: {reason}")
 
     def replace_with_parts(self, name: str, reason: str) -> bool:
         """Swap a layer that cannot be captured for its parts; ``False`` if it has none left to try."""

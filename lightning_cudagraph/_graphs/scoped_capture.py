@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._backend.backend import CaptureMethod
 from lightning_cudagraph._graphs.base import Driver
@@ -23,6 +23,7 @@ from lightning_cudagraph._trust.guards import GuardSet
 from lightning_cudagraph._trust.recording import CapturePlan, WarmupRecorder
 from lightning_cudagraph._trust.shape_cache import ShapeCache
 from lightning_cudagraph._trust.shape_change import ShapeOutcome
+from lightning_cudagraph._warnings import warn_user
 from lightning_cudagraph.health import Stage
 
 
@@ -113,7 +114,7 @@ class GraphSetCapture:
                 self.machine.disable(reason, detail=detail)
             return
         why = f"its input signatures moved: {plan.unstable}" if plan.unstable else "no target ran in it"
-        rank_zero_warn(f"{self.component}: batch shape {describe_batch_key(batch)} stays eager: {why}")
+        warn_user(f"{self.component}: batch shape {describe_batch_key(batch)} stays eager: {why}")
         self.uncapturable.add(batch)
         self.recorder.forget(batch)
         self.router.begin(StepRoute(fallback_reason=f"{change}; it cannot be captured: {why}"))

@@ -79,11 +79,11 @@ OPTIONS: tuple[Option, ...] = (
         "str | Sequence[str]",
         AUTO,
         '``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package\'s'
-        " strategies, the whole step; keep the fastest: :mod:`lightning_cudagraph._rollout.ladder`), or a list from"
+        " strategies, the whole step; keep the fastest that works), or a list from"
         " ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a"
         " comma-separated"
         ' string works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs'
-        " :class:`~lightning_cudagraph.CUDAGraphStrategy` or :class:`~lightning_cudagraph.DDPCUDAGraphStrategy`.",
+        " ``CUDAGraphStrategy`` or ``DDPCUDAGraphStrategy``.",
     ),
     Option(
         "warmup_steps",
@@ -108,7 +108,7 @@ OPTIONS: tuple[Option, ...] = (
         'What a batch of another shape does once graphs exist: ``"eager"`` (that step runs eagerly, counted),'
         ' ``"recapture"`` (the shape gets its own eager step, capture and confirmation; the ``max_graphs`` least'
         " recently used graph sets are kept, others evicted and captured again when their shape returns) or"
-        ' ``"error"``. Pad batches to a few lengths (:mod:`lightning_cudagraph.bucketing`).',
+        ' ``"error"``. Pad batches to a few lengths (``lightning_cudagraph.PadToBucket``).',
     ),
     Option(
         "on_failure",
@@ -144,7 +144,7 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "From this optimizer step on (at most ``Trainer(max_steps=...)``), the set of batch shapes is closed: a"
         " shape without graphs raises, naming it and the captured shapes (``None``: never;"
-        " :meth:`~lightning_cudagraph.CUDAGraphCallback.seal` closes it by hand). A seal taken before the first"
+        " ``CUDAGraphCallback.seal()`` closes it by hand). A seal taken before the first"
         " capture (during the eager warmup steps) closes the set to the shape that warmup captures: that shape is"
         " still captured when warmup ends, and any other shape raises.",
     ),
@@ -166,7 +166,7 @@ OPTIONS: tuple[Option, ...] = (
         "Validation, test and predict steps on forward-only graphs too, whenever graphs are on: the whole evaluation"
         " step through the package's strategies, the trained level's regions through the callback alone (each"
         " graph checked against eager on its capture batch first). A loop that stays eager logs why. ``False``:"
-        " evaluation always runs eagerly. See :mod:`lightning_cudagraph._rollout.evaluation`.",
+        " evaluation always runs eagerly.",
     ),
     Option(
         "optimizer_graph",
@@ -175,7 +175,7 @@ OPTIONS: tuple[Option, ...] = (
         "Through the package's strategies, a scoped level replays the optimizer's update (with its learning-rate"
         " tensors) as a graph of its own after the eager backward, checked against the eager update first."
         " ``False`` keeps the update eager. The whole step holds the update in its own graph, and the callback"
-        " alone cannot own the optimizer step: both ignore it. See :mod:`lightning_cudagraph._graphs.optimizer_graph`.",
+        " alone cannot own the optimizer step: both ignore it.",
     ),
     Option(
         "compile",
@@ -186,8 +186,7 @@ OPTIONS: tuple[Option, ...] = (
         ' arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or'
         ' ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed'
         ' ``scope`` (not ``"auto"``), ``impl="local"`` and one device; inductor\'s own CUDA graphs'
-        ' (``mode="reduce-overhead"``, ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs. See'
-        " :mod:`lightning_cudagraph._backend.compiling`.",
+        ' (``mode="reduce-overhead"``, ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs.',
     ),
 )
 

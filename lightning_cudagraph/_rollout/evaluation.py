@@ -91,7 +91,7 @@ class EvaluationGraphs:
         reason = self._why_eager(hook, backend, level, strategy, in_fit)
         if reason is not None:
             self.record.mode, self.record.reason = EAGER, reason
-            if self.config.enabled and self.config.eval_graphs and reason not in self._said:
+            if self.config.enabled and self.config.eval_graphs and backend is not None and reason not in self._said:
                 self._said.add(reason)
                 rank_zero_info(f"{self.component}: {hook or 'evaluation'} runs eagerly: {reason}")
             return

@@ -7,10 +7,9 @@ widest level that runs that Python, checked against eager training there. A fixe
 
 from __future__ import annotations
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 from lightning_cudagraph._options.levels import Level
 from lightning_cudagraph._rollout.ladder import EAGER, Ladder
+from lightning_cudagraph._warnings import warn_user
 
 __all__ = ["PYTHON_REASONS", "after_failure"]
 
@@ -31,7 +30,7 @@ def after_failure(ladder: Ladder, reason: str, component: str) -> Level | None:
         if ladder.settled
         else f"tries {level.name!r} next"
     )
-    rank_zero_warn(f"{component}: level {failed!r} of scope='auto' failed ({reason}); training {where}")
+    warn_user(f"{component}: level {failed!r} of scope='auto' failed ({reason}); training {where}")
     return level
 
 
@@ -43,7 +42,7 @@ def _step_down(ladder: Ladder, reason: str, component: str) -> Level | None:
     level = ladder.step_down(reason)
     if level is None:
         return None
-    rank_zero_warn(
+    warn_user(
         f"{component}: the whole step of scope='auto' can no longer hold the step's Python ({reason});"
         f" training goes down to {level.name!r}"
     )

@@ -6,7 +6,7 @@ Under ``"eager"`` a failure warns and the failing part (or the fit) runs eagerly
 
 from __future__ import annotations
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_cudagraph._warnings import warn_user
 
 __all__ = ["FailurePolicy", "GraphFailure"]
 
@@ -48,4 +48,4 @@ class FailurePolicy:
         """Raise :class:`GraphFailure` for ``reason`` under ``on_failure="raise"``; otherwise warn ``eager_message``."""
         if self.on_failure == "raise":
             raise GraphFailure(f"{self.component}(on_failure='raise'): {reason}") from error
-        rank_zero_warn(eager_message)
+        warn_user(eager_message)

@@ -7,9 +7,8 @@ from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Any, Generic, TypeVar
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 from lightning_cudagraph._options.batches import describe_batch_key
+from lightning_cudagraph._warnings import warn_user
 from lightning_cudagraph.health import CUDAGraphReport
 
 T = TypeVar("T")
@@ -119,7 +118,7 @@ class ShapeCache(GraphCache[T]):
     def _warn_if_thrashing(self) -> None:
         if not self._thrash_warned and self.report.evictions >= 2 * self.limit:
             self._thrash_warned = True
-            rank_zero_warn(
+            warn_user(
                 f"{self.component}: {self.report.evictions} graph sets evicted with max_graphs={self.limit}: more"
                 " shapes rotate than the cache holds, so most steps capture again instead of replaying. Raise"
                 " max_graphs to the number of shapes, or pad batches to fewer lengths (lightning_cudagraph.bucketing)."

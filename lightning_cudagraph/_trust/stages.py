@@ -10,11 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_cudagraph._lightning import step_loss
 from lightning_cudagraph._trust.agreement import RankAgreement
 from lightning_cudagraph._trust.failure import FailurePolicy
+from lightning_cudagraph._warnings import warn_user
 from lightning_cudagraph.health import CUDAGraphReport, Stage
 
 
@@ -138,7 +139,7 @@ class StageMachine:
         """Graphs are not for this fit (no CUDA, no targets, shapes that move, ...): release and say why."""
         self._give_up(reason)
         if warn:
-            rank_zero_warn(f"{self.component}: CUDA graphs off ({reason}): {detail or reason}.")
+            warn_user(f"{self.component}: CUDA graphs off ({reason}): {detail or reason}.")
 
     def _give_up(self, reason: str) -> None:
         self._stage = Stage.DISABLED
