@@ -1233,6 +1233,13 @@ MUTATIONS: list[Mutation] = [
     ),
     # ------------------------------------------------------------------ the guards and the fed learning rate
     m(
+        "_rollout/step_python.py",
+        "paused=True, others=callbacks) as seen:",
+        "paused=True) as seen:",
+        "a callback's counter in on_after_backward counts the captured step only: the whole step freezes its hook",
+        P + "test_a_callback_that_counts_inside_the_step_counts_every_step_as_eager",
+    ),
+    m(
         "_backend/optimizers.py",
         'group["lr"] = number if number is not None and held == _in_float32(number) else held',
         'group["lr"] = held',

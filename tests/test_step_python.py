@@ -522,3 +522,33 @@ class LevelAtEpochStart(pl.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.levels.append(graph_callback(trainer).report.level)
+
+
+# =================================================================== a callback's hooks inside the step
+class BackwardCounter(pl.Callback):
+    """Counts ``on_after_backward`` calls: a hook inside the optimizer step, so inside a whole-step graph."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_after_backward(self, trainer, pl_module):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("variant", ["cudagraph_full", "cudagraph"])
+def test_a_callback_that_counts_inside_the_step_counts_every_step_as_eager(variant):
+    counters: list[BackwardCounter] = []
+
+    def counting() -> list[pl.Callback]:
+        counters.append(BackwardCounter())
+        return [counters[-1]]
+
+    expected = run_case(Case(Constant, callbacks=counting), None)
+    outcome = run_case(Case(Constant, callbacks=counting), variant)
+    assert counters[1].calls == counters[0].calls, "the callback's hook ran once at capture, not every step"
+    assert_same_training(expected, outcome)
+    report = outcome.report
+    if variant == "cudagraph_full":
+        assert report.stage == Stage.DISABLED and "BackwardCounter.calls" in report.reason, report.reason
+    else:
+        assert report.stage == Stage.REPLAYING and report.level != "full_iteration", report.ladder

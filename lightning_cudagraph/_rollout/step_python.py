@@ -35,6 +35,8 @@ __all__ = ["StepPython", "step_python_reason"]
 
 #: Where the graph-safe way to feed a per-step value to a captured step is documented.
 DOCS = "docs/python.md"
+#: The package's own modules (its callback's state is not the step's).
+_PACKAGE = __name__.partition(".")[0]
 #: No step is planned to run observed.
 _UNOBSERVED = object()
 
@@ -129,7 +131,13 @@ class StepPython:
     def observe(self, key: Any, module: torch.nn.Module, epoch: int, run_step: Callable[[], Any]) -> Any:
         """Run one eager optimizer step under observation; what it shows may set :attr:`problem`."""
         reader = module if isinstance(module, pl.LightningModule) else None
-        with self.observer.span([module], reader=reader, paused=True) as seen:
+        trainer = reader._trainer if reader is not None else None
+        callbacks = [
+            (type(callback).__name__, callback)
+            for callback in (trainer.callbacks if trainer is not None else [])
+            if not type(callback).__module__.startswith(_PACKAGE)  # the package's own bookkeeping is not the step's
+        ]
+        with self.observer.span([module], reader=reader, paused=True, others=callbacks) as seen:
             self._current = seen
             try:
                 output = run_step()

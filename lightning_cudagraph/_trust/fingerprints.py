@@ -12,7 +12,7 @@ import torch
 
 from lightning_cudagraph._trust.generators import held_generators
 
-__all__ = ["describe_changes", "python_state", "random_states"]
+__all__ = ["describe_changes", "object_state", "python_state", "random_states"]
 
 
 def random_states(modules: Sequence[torch.nn.Module] = ()) -> dict[str, Any]:
@@ -65,6 +65,25 @@ def python_state(modules: Sequence[torch.nn.Module], deep: bool = True) -> dict[
                     continue
                 state[f"{prefix}.{key}" if prefix else key] = _fingerprint(value, top=True)
     return state
+
+
+def object_state(objects: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """A fingerprint of the plain Python attributes of named objects that are not modules (a user's callbacks).
+
+    Example:
+        >>> class Counter:
+        ...     calls = 0
+        >>> counter = Counter()
+        >>> counter.calls = 2
+        >>> object_state([("Counter", counter)])
+        {'Counter.calls': 2}
+    """
+    return {
+        f"{name}.{key}": _fingerprint(value, top=True)
+        for name, owner in objects
+        for key, value in vars(owner).items()
+        if not isinstance(value, (torch.Tensor, torch.nn.Module))
+    }
 
 
 def _fingerprint(value: Any, top: bool = False) -> Any:

@@ -18,7 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_cudagraph._trust.fingerprints import describe_changes, python_state, random_states
+from lightning_cudagraph._trust.fingerprints import describe_changes, object_state, python_state, random_states
 from lightning_cudagraph._trust.reads import reads_watched
 
 __all__ = ["SKIP_FIX", "Behaviour", "Observer", "frozen_by_a_graph"]
@@ -65,7 +65,7 @@ class Behaviour:
     def changes(self) -> str | None:
         """The module attributes this span changed (a replay would not change them), or ``None``."""
         if self.mutated:
-            return f"changes module attributes a replay would not change: {', '.join(self.mutated[:3])}"
+            return f"changes attributes a replay would not change: {', '.join(self.mutated[:3])}"
         return None
 
     def differs(self, other: Behaviour) -> str | None:
@@ -154,17 +154,23 @@ class Observer:
 
     @contextlib.contextmanager
     def span(
-        self, modules: Sequence[torch.nn.Module], reader: pl.LightningModule | None = None, paused: bool = False
+        self,
+        modules: Sequence[torch.nn.Module],
+        reader: pl.LightningModule | None = None,
+        paused: bool = False,
+        others: Sequence[tuple[str, Any]] = (),
     ) -> Iterator[Behaviour]:
         """Watch what runs inside: reads through ``reader`` (and its Trainer), random draws, attributes of ``modules``.
 
         Random draws are from the global generators and from those held on ``modules`` and their submodules.
+        ``others``: named objects whose plain attributes are watched too (the user's callbacks, whose hooks inside the
+        optimizer step would run once, at capture).
 
         The yielded :class:`Behaviour` is filled in when the span ends. ``paused``: the trace starts at :meth:`resume`
         (what the optimizer runs before its closure is not the step's own).
         """
         seen = Behaviour()
-        before, draws = python_state(modules), random_states(modules)
+        before, draws = {**python_state(modules), **object_state(others)}, random_states(modules)
         excused: set[str] = set()
         start, owns = self._enter_trace(paused)
         try:
@@ -177,7 +183,8 @@ class Observer:
             if owns:
                 self._leave_trace()
             seen.random = [name for name, state in random_states(modules).items() if draws.get(name) != state]
-            after = {name: value for name, value in python_state(modules).items() if name not in excused}
+            now = {**python_state(modules), **object_state(others)}
+            after = {name: value for name, value in now.items() if name not in excused}
             seen.mutated = describe_changes({k: v for k, v in before.items() if k not in excused}, after)
 
     @contextlib.contextmanager
