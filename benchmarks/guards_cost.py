@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/guards_cost.py --out benchmarks/results/guards --steps 200 --rounds 3
 
-Per model (the small and the medium GPT, and a 40-block GPT of about 500 modules), each round fits the whole step
+Per model (the small and the medium GPT, and a 45-block GPT of about 500 modules), each round fits the whole step
 three ways from the same weights on the same batches:
 
 - ``guarded``: the package as it ships, its guard set checked before every replay;
@@ -40,7 +40,7 @@ VARIANTS = ("guarded", "unguarded", "warmup")
 MODELS: dict[str, dict[str, Any]] = {
     "small": {},
     "medium": {},
-    "deep": {"vocab_size": 1024, "seq_len": 64, "n_layer": 40, "width": 64, "heads": 2, "batch_size": 4},
+    "deep": {"vocab_size": 1024, "seq_len": 64, "n_layer": 45, "width": 64, "heads": 2, "batch_size": 4},
 }
 
 
