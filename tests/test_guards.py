@@ -168,30 +168,38 @@ GUARDED = {
 CASES = {**FED, **GUARDED}
 
 
-def run(name: str, variant: str | None) -> Any:
+def run(name: str, variant: str | None, cuda: bool = False) -> Any:
+    """Fit case ``name`` eagerly (``variant=None``) or through the package: on the fake backend, or on a GPU."""
     SETTINGS["scale"] = 1.0
-    return run_case(CASES[name], variant)
+    return run_case(CASES[name], variant, cuda)
 
 
-_EAGER: dict[str, Any] = {}
+_EAGER: dict[tuple[str, bool], Any] = {}
 
 
-def eager(name: str) -> Any:
-    if name not in _EAGER:
-        _EAGER[name] = run(name, None)
-    return _EAGER[name]
+def eager(name: str, cuda: bool = False) -> Any:
+    """The fit without the package, once per case and device."""
+    if (name, cuda) not in _EAGER:
+        _EAGER[name, cuda] = run(name, None, cuda)
+    return _EAGER[name, cuda]
 
 
-@pytest.mark.parametrize("variant", ["cudagraph_full", "cudagraph", "layer"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_a_value_changed_between_steps_never_trains_a_wrong_step(name, variant):
-    outcome = run(name, variant)
-    assert_same_training(eager(name), outcome)
+def check_never_trains_a_wrong_step(name: str, variant: str, cuda: bool = False) -> Any:
+    """Case ``name`` through ``variant`` trains as eager, on graphs or eagerly with a reason; no audit had to act."""
+    outcome = run(name, variant, cuda)
+    assert_same_training(eager(name, cuda), outcome)
     report = outcome.report
     on_graphs = report.stage in (Stage.CONFIRMING, Stage.REPLAYING) and report.replays > 0
     assert on_graphs or (report.stage == Stage.DISABLED and report.reason), "graphs off without a reason"
     audits_caught = [reason for reason in report.rollback_reasons if reason.startswith("parity")]
     assert not audits_caught, f"an audit caught what a guard should have, after wrong steps: {audits_caught}"
+    return report
+
+
+@pytest.mark.parametrize("variant", ["cudagraph_full", "cudagraph", "layer"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_value_changed_between_steps_never_trains_a_wrong_step(name, variant):
+    report = check_never_trains_a_wrong_step(name, variant)
     if variant == "cudagraph":
         assert report.stage == Stage.REPLAYING, f"graphs given up where a scoped level holds: {report.reason}"
 
