@@ -95,5 +95,4 @@ def warn_user(message: str, category: type[Warning] = CUDAGraphWarning, all_rank
         frame.f_lineno,
         module=module_globals.get("__name__", "__main__"),
         registry=module_globals.setdefault("__warningregistry__", {}),
-        module_globals=module_globals,
-    )
+    )  # no module_globals: its loader may not serve the source (a spawned process's __main__)

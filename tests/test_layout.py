@@ -2,8 +2,8 @@
 
 From the bottom: ``_options`` (what the user asked), ``_backend`` (the seam to CUDA graphs), ``_trust`` (the
 evidence against eager), ``_graphs`` (each kind of graph), ``_rollout`` (the fit's plan and ladder), then the public
-face (the callback, the strategies). The report (``health``) and Lightning's internals (``_lightning``) are the
-vocabulary every layer may use.
+face (the callback, the strategies, the experts path). The report (``health``), Lightning's internals (``_lightning``)
+and the package's warnings (``_warnings``) are the vocabulary every layer may use.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_cudagraph"
 LAYERS = ("_options", "_backend", "_trust", "_graphs", "_rollout")
-#: Modules of the package's root that any layer may import: the report's types and Lightning's internals.
-SHARED = {"health", "_lightning"}
+#: Modules of the package's root that any layer may import: the report's types, Lightning's internals, the warnings.
+SHARED = {"health", "_lightning", "_warnings"}
 
 
 def _layer_of(module: str) -> int:
@@ -52,7 +52,16 @@ def test_a_layer_imports_only_the_layers_below_it(layer):
 
 def test_the_root_holds_only_the_face_and_the_shared_vocabulary():
     root = {path.stem for path in PACKAGE.glob("*.py")}
-    face = {"__init__", "callback", "strategy", "strategy_base", "strategy_names", "model_parallel", "bucketing"}
+    face = {
+        "__init__",
+        "callback",
+        "strategy",
+        "strategy_base",
+        "strategy_names",
+        "model_parallel",
+        "bucketing",
+        "experts",
+    }
     assert root == face | SHARED, sorted(root - face - SHARED)
 
 

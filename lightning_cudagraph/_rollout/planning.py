@@ -13,6 +13,11 @@ from lightning_cudagraph._options.activation_checkpoints import check_targets
 from lightning_cudagraph._options.config import FULL_ITERATION, CUDAGraphConfig
 from lightning_cudagraph._options.levels import Level, Plan, build_levels, replacement_parts, scoped_targets, walk_order
 from lightning_cudagraph._options.scopes import Target, candidate_names, resolve_scopes
+from lightning_cudagraph._rollout.moe_precision import (
+    check_experts_precision,
+    experts_precision_problem,
+    warn_experts_precision,
+)
 from lightning_cudagraph._rollout.preflight import DDP_WHOLE_STEP_WARMUP_STEPS, check_trainer, check_whole_step_hooks
 from lightning_cudagraph._rollout.sharding import SCOPED_UNDER_FSDP2, scoped_graphs
 
@@ -28,6 +33,7 @@ def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModul
     if config.auto_scope:
         return _auto_plan(config, trainer, module)
     if config.full_iteration:
+        check_experts_precision(config.component, module, trainer.precision)
         return Plan(
             (Level(FULL_ITERATION),),
             climbs=False,
@@ -36,6 +42,8 @@ def plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.LightningModul
         )
     resolution = resolve_scopes(module, config.scope, config.modules, config.component)
     check_targets(resolution.targets, config.component)
+    regions = [target.module for target in resolution.targets]
+    warn_experts_precision(config.component, module, trainer.precision, regions)
     level = Level("+".join(config.scope), tuple(resolution.targets))
     return Plan((level,), climbs=False, patched=level.targets, scopes=resolution.matched, summary=resolution.summary())
 
@@ -52,6 +60,10 @@ def _auto_plan(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Lightnin
             check_targets(level.targets, "scope='auto'")
         except ValueError as error:  # activation checkpointing: this level is skipped, not the fit refused
             level = Level(level.name, unavailable=str(error))
+        if not (level.whole_step or level.unavailable):  # MoE experts a graph cannot hold in this precision
+            regions = [target.module for target in level.targets]
+            problem = experts_precision_problem(module, trainer.precision, regions)
+            level = level if problem is None else Level(level.name, unavailable=problem)
         if not (scoped or level.whole_step or level.unavailable):
             level = Level(level.name, unavailable=SCOPED_UNDER_FSDP2)
         levels.append(level)
@@ -107,6 +119,9 @@ def _whole_step_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | N
         check_whole_step_hooks(whole, trainer)
     except ValueError as error:
         return str(error)
+    problem = experts_precision_problem(module, trainer.precision)
+    if problem is not None:
+        return problem
     if config.impl != "local":
         return f"impl={config.impl!r} captures scoped regions only"
     return None

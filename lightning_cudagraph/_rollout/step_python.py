@@ -134,7 +134,7 @@ class StepPython:
         trainer = reader._trainer if reader is not None else None
         callbacks = [
             (type(callback).__name__, callback)
-            for callback in (trainer.callbacks if trainer is not None else [])
+            for callback in getattr(trainer, "callbacks", ())
             if not type(callback).__module__.startswith(_PACKAGE)  # the package's own bookkeeping is not the step's
         ]
         with self.observer.span([module], reader=reader, paused=True, others=callbacks) as seen:

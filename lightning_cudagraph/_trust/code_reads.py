@@ -29,6 +29,8 @@ _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 #: Instructions that load a closure cell.
 _CELL_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})
+#: Methods a replay runs again: the whole step re-issues its ``self.log`` calls, so an override of them stays live.
+_LIVE = frozenset({"log", "log_dict"})
 #: Files whose methods are not followed: the base classes' own machinery (``self.log``, ``__call__``).
 _BASE_FILES = frozenset(inspect.getfile(cls) for cls in (torch.nn.Module, pl.LightningModule))
 
@@ -141,6 +143,8 @@ def _methods(owner: type, names: Iterable[str]) -> Iterator[types.FunctionType]:
     """
     own = _file_of(owner)
     for name in names:
+        if name in _LIVE:
+            continue
         try:
             found = inspect.getattr_static(owner, name)
         except AttributeError:
