@@ -48,6 +48,7 @@ T = "tests/test_input_messages.py::"
 M = "tests/test_manual_optimization.py::"
 B = "tests/test_blind_spots.py::"
 GEN = "tests/test_generators.py::"
+X = "tests/test_moe_precision.py::"
 
 
 @dataclass(frozen=True)
@@ -1230,6 +1231,35 @@ MUTATIONS: list[Mutation] = [
         "    if False:\n        return (",
         "a whole step that first draws from self.rng at its capture is kept: every replay repeats that draw",
         GEN + "test_a_whole_step_that_first_draws_at_its_capture_is_refused",
+    ),
+    # ------------------------------------------------------------------ MoE experts and the precision
+    m(
+        "_rollout/planning.py",
+        "        check_experts_precision(config.component, module, trainer.precision)\n",
+        "",
+        "a fixed whole step on float32 grouped_mm experts is tried, and fails its capture on the host copy",
+        X + "test_a_fixed_whole_step_on_float32_experts_is_refused_before_any_capture",
+    ),
+    m(
+        "_rollout/planning.py",
+        "            level = level if problem is None else Level(level.name, unavailable=problem)",
+        "            level = level",
+        "scope='auto' tries the layers holding float32 experts, whose capture fails on the host copy",
+        X + "test_auto_skips_the_levels_holding_float32_experts_with_the_reason",
+    ),
+    m(
+        "experts.py",
+        "    if not torch.is_autocast_enabled(device):",
+        "    if True:",
+        "the autocast experts path runs float32 grouped GEMMs under bf16-mixed: the capture it promises fails",
+        X + "test_under_autocast_the_path_is_grouped_mm_on_bfloat16_weights",
+    ),
+    m(
+        "_trust/code_reads.py",
+        "        if name in _LIVE:\n            continue\n",
+        "",
+        "a log override's counter is guarded although replays re-issue self.log: a healthy whole step rolls back",
+        "tests/test_lifecycle_full.py::test_a_module_that_overrides_log_has_it_called_for_every_replayed_step",
     ),
     # ------------------------------------------------------------------ the guards and the fed learning rate
     m(
