@@ -11,6 +11,11 @@ three ways from the same weights on the same batches:
 
 Step times are CUDA-event distances between batch starts from step ``--skip`` on (no host sync per step). Each ratio
 is taken per round (``unguarded / guarded``, ``guarded / warmup``), then the median of the rounds, with its range.
+
+``--host`` needs no GPU: per model, the host time of one check of the guard set before a replay (nothing written,
+and one guarded attribute written since the last check), and the time to build the set at capture.
+
+    PYTHONPATH=. python benchmarks/guards_cost.py --host --out benchmarks/results/guards
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning.pytorch as pl
+import torch
 from typing_extensions import override
 
 from benchmarks import report
@@ -126,6 +133,30 @@ def fit(model: str, variant: str, steps: int, skip: int, precision: str) -> dict
     }
 
 
+def host_costs(model: str, repeats: int = 20_000) -> dict[str, Any]:
+    """Host microseconds of one guard check (nothing written; one attribute written) and ms to build the set."""
+    module, _ = build_model(model)
+    started = time.perf_counter()
+    guards = whole_step.GuardSet("the whole step", list(module.named_modules()), module, clipping=False)
+    build_ms = (time.perf_counter() - started) * 1e3
+    dropout = next((m for m in module.modules() if isinstance(m, torch.nn.Dropout)), None)
+    try:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            guards.problem()
+        quiet_us = (time.perf_counter() - started) / repeats * 1e6
+        started = time.perf_counter()
+        for _ in range(repeats):
+            if dropout is not None:
+                dropout.p = dropout.p  # a write of the same value: noted, compared, found unchanged
+            guards.problem()
+        written_us = (time.perf_counter() - started) / repeats * 1e6
+    finally:
+        guards.release()
+    return {"model": model, "modules": sum(1 for _ in module.modules()), "guarded_values": guards.size,
+            "build_ms": build_ms, "check_us": quiet_us, "check_after_a_write_us": written_us}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/guards"))
@@ -134,7 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--host", action="store_true", help="the host time of the checks alone (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.host:
+        hosts = [host_costs(model) for model in args.models.split(",")]
+        for row in hosts:
+            print(
+                f"{row['model']} ({row['modules']} modules, {row['guarded_values']} guarded values): check"
+                f" {row['check_us']:.2f} us, after a write {row['check_after_a_write_us']:.2f} us;"
+                f" built in {row['build_ms']:.1f} ms",
+                flush=True,
+            )
+        record = {"kind": "guards_host", "environment": records.environment(), "models": hosts}
+        records.write(record, args.out / "guards_host.json")
+        return 0
     if records.needs_cuda("guards_cost.py"):
         return 2
     results = []
