@@ -12,7 +12,7 @@ import torch
 
 from lightning_cudagraph._trust.generators import held_generators
 
-__all__ = ["describe_changes", "object_state", "python_state", "random_states"]
+__all__ = ["describe_changes", "framework_keys", "object_state", "python_state", "random_states"]
 
 
 def random_states(modules: Sequence[torch.nn.Module] = ()) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def python_state(modules: Sequence[torch.nn.Module], deep: bool = True) -> dict[
             if isinstance(module, Metric):
                 continue
             for key, value in vars(module).items():
-                if key in _framework_keys() or "hook" in key or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                if key in framework_keys() or "hook" in key or isinstance(value, (torch.Tensor, torch.nn.Module)):
                     continue
                 state[f"{prefix}.{key}" if prefix else key] = _fingerprint(value, top=True)
     return state
@@ -127,7 +127,7 @@ _MISSING = object()
 _KEYS: set[str] = set()
 
 
-def _framework_keys() -> set[str]:
+def framework_keys() -> set[str]:
     """Attribute names ``nn.Module`` and ``LightningModule`` set themselves (their own bookkeeping)."""
     if not _KEYS:
         _KEYS.update(vars(torch.nn.Module()), vars(pl.LightningModule()), ("forward", "_compiled_call_impl"))

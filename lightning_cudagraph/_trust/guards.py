@@ -28,7 +28,7 @@ import torch
 from torchmetrics import Metric
 
 from lightning_cudagraph._trust.code_reads import CodeReads, class_reads
-from lightning_cudagraph._trust.fingerprints import _framework_keys as framework_keys
+from lightning_cudagraph._trust.fingerprints import framework_keys
 from lightning_cudagraph._trust.module_writes import WriteLog
 
 __all__ = ["EVAL_METHODS", "STEP_METHODS", "GuardSet"]
