@@ -154,6 +154,28 @@ class Flagged(DecoderModule):
         return loss
 
 
+class Settings:
+    """A user's settings object, neither a dict nor a dataclass: the guards do not hold what it contains."""
+
+    def __init__(self) -> None:
+        self.l2 = False
+
+
+class FlaggedOnSettings(DecoderModule):
+    """Reads a flag kept on a settings object, which a callback flips at an epoch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = Settings()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.settings.l2:
+            loss = loss + 1e-2 * self.model.head.weight.pow(2).sum()
+        self.log("train_loss", loss)
+        return loss
+
+
 class StepHooked(DecoderModule):
     """An optimizer with a step post-hook that counts steps, as libraries register them."""
 
@@ -174,6 +196,14 @@ class FlipFlagAtEpoch(pl.Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         if trainer.current_epoch >= 1:
             pl_module.l2 = True
+
+
+class FlipSettingsAtEpoch(pl.Callback):
+    """Sets ``pl_module.settings.l2`` from the second epoch on (the epoch's re-check sees the step change)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch >= 1:
+            pl_module.settings.l2 = True
 
 
 class FirstBlockEvalAtEpoch(pl.Callback):
@@ -243,6 +273,12 @@ CASES = {
     "counter": Case(Counter, state=lambda model: model.calls),
     "second_forward": Case(SecondForward),
     "flag_flipped_at_epoch": Case(Flagged, callbacks=lambda: [FlipFlagAtEpoch()], state=lambda model: model.l2),
+    "settings_flag_flipped_at_epoch": Case(  # 12 batches an epoch: the flip falls between two audits
+        FlaggedOnSettings,
+        callbacks=lambda: [FlipSettingsAtEpoch()],
+        state=lambda model: model.settings.l2,
+        options={"train_samples": 48},
+    ),
     "mode_flipped_at_epoch": Case(Constant, callbacks=lambda: [FirstBlockEvalAtEpoch()], options={"dropout": 0.1}),
     "hook_added_mid_fit": Case(Constant, callbacks=lambda: [HookInsideALayerAt(6, "hook")], scoped_keeps_graphs=False),
     "forward_set_mid_fit": Case(
