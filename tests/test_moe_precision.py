@@ -24,7 +24,8 @@ from tests.fake_backend import FakeBackend
 from tests.helpers import LossRecorder, assert_losses_close, graph_callback, trainer
 from tests.models import TokenData
 
-transformers = pytest.importorskip("transformers")
+#: The transformers release these tests were written and run against (its experts registry and MoE layouts).
+transformers = pytest.importorskip("transformers", minversion="5.25")
 
 CPU = {"accelerator": "cpu", "devices": 1}
 #: Config and model classes of each family, and its MoE fields (4 experts, top-2; Qwen2-MoE has a shared expert).
