@@ -10,7 +10,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._options.errors import config_error, did_you_mean
@@ -25,6 +25,16 @@ _NAMES = tuple(option.name for option in OPTIONS)
 def config_from(component: str, parameters: Mapping[str, Any]) -> CUDAGraphConfig:
     """The config of the options among ``parameters`` (an ``__init__``'s ``locals()``), validated."""
     return CUDAGraphConfig.from_options(component, **{name: parameters[name] for name in _NAMES if name in parameters})
+
+
+@overload
+def checks_keywords(init: _Init) -> _Init: ...
+
+
+@overload
+def checks_keywords(
+    init: None = None, *, passes_on: Sequence[type] = (), reserved: Mapping[str, str] | None = None
+) -> Callable[[_Init], _Init]: ...
 
 
 def checks_keywords(
