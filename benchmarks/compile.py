@@ -6,7 +6,8 @@
 Variants, alternated in turns in one process (``torch.compiler.reset()`` before each): eager Lightning,
 ``torch.compile(mode="reduce-overhead")``, the whole step, ``scope=["layer"]`` through the callback and through
 ``CUDAGraphStrategy`` (which replays the optimizer step as a graph too, so the host paces it less), each with and
-without ``compile=True``, the hand-written whole-step capture, and Thunder (``thunder.jit`` with ``CUDAGraphTransform``,
+without compiled kernels (``compile=True`` for the whole step, ``compile={"regions": True}`` for the layers), the
+hand-written whole-step capture, and Thunder (``thunder.jit`` with ``CUDAGraphTransform``,
 skipped where lightning-thunder is missing). Each package variant also gets a 10-step kernel profile before the
 timed steps: kernel ms per step and the floor (GEMM, attention and optimizer kernels, which ``compile=`` leaves as
 they are). A missed goal names what alone takes longer than the step it needs: the floor, the compiled kernels, or

@@ -96,8 +96,11 @@ class CUDAGraphCallback(HoldsCaptureBackend, Callback):
         compile: ``False`` (no compilation), ``True`` (``torch.compile`` with inductor's defaults on what is about to be
             captured, compiled during the eager warmup steps, then held by the graphs) or a dict of ``torch.compile``
             arguments: ``backend``, ``fullgraph``, ``mode`` (``"default"`` or ``"max-autotune-no-cudagraphs"``) or
-            ``options`` (inductor options, e.g. ``{"max_autotune": True}``). Shapes are static. Needs a fixed ``scope``
-            (not ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
+            ``options`` (inductor options, e.g. ``{"max_autotune": True}``), plus the package's ``regions``. The whole
+            step and a region that holds the whole forward are compiled. Smaller scoped regions (``attn``, ``mlp``,
+            ``layer``, ...) stay uncompiled, because their compiled kernels lost to plain graphs on an H100. A warning
+            says so. ``compile={"regions": True}`` compiles them anyway. Shapes are static. Needs a fixed ``scope`` (not
+            ``"auto"``), ``impl="local"`` and one device; inductor's own CUDA graphs (``mode="reduce-overhead"``,
             ``options={"triton.cudagraphs": True}``) are refused: graphs in graphs.
 
     Raises:

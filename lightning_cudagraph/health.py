@@ -147,6 +147,8 @@ class CUDAGraphReport:
         capture_ms_total: Host time of every capture of the fit, summed (the ladder's captures included).
         compile_s: With ``compile=``: seconds torch.compile spent compiling in this fit (recompiles included).
         recompiles: With ``compile=``: compilations after the first capture (a guard failed on an eager path).
+        compile_exclusions: With ``compile=``: the levels whose regions it left uncompiled (captured as plain graphs),
+            with the reason; ``compile={"regions": True}`` compiles them.
         optimizer_graph: A scoped fit through the package's strategies: the optimizer step's own graph,
             ``waiting`` (not captured yet), ``confirming``, ``replaying``, or why it stays eager
             (``optimizer_not_graphed: ...``); ``None`` otherwise. Logged as ``cudagraph/optimizer_graph``
@@ -200,6 +202,7 @@ class CUDAGraphReport:
     capture_ms_total: float = 0.0
     compile_s: float = math.nan
     recompiles: int = 0
+    compile_exclusions: dict[str, str] = field(default_factory=dict)
     optimizer_graph: str | None = None
     optimizer_replays: int = 0
     optimizer_parity_err: float = math.nan

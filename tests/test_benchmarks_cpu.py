@@ -121,7 +121,7 @@ def test_kernels_are_classed_and_the_floor_is_what_compile_leaves():
     [
         ("eager", None, "auto"),
         ("attn+mlp", {"scope": ["attn", "mlp"], "warmup_steps": 3}, "auto"),
-        ("layer+compile", {"scope": ["layer"], "warmup_steps": 3, "compile": True}, "auto"),
+        ("layer+compile", {"scope": ["layer"], "warmup_steps": 3, "compile": {"regions": True}}, "auto"),
         ("auto-callback", {}, "auto"),
         ("auto-strategy", None, "cudagraph"),
     ],

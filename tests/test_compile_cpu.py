@@ -1,9 +1,11 @@
 """``compile=`` on a CPU: its validation, its refusals, and its lifecycle driven for real through the fake backend.
 
 Dynamo compiles with ``backend="aot_eager"`` (no C++ compiler needed): the kernels are the eager ones, so the
-losses agree with eager Lightning to float rounding. Where a test must see which code ran, it compiles with
-:data:`COUNTING`, a backend that counts every run of a compiled graph. Dynamo's cache is process-wide, so every test
-starts from an empty one: a compiled fit in one test would otherwise leave a later one nothing to compile.
+losses agree with eager Lightning to float rounding. ``compile=`` leaves layer regions uncompiled unless
+``regions=True``: the tests of compiled regions pass it (:data:`REGIONS`). Where a test must see which code ran, it
+compiles with :data:`COUNTING`, a backend that counts every run of a compiled graph. Dynamo's cache is
+process-wide, so every test starts from an empty one: a compiled fit in one test would otherwise leave a later one
+nothing to compile.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import csv
 import inspect
 import math
 import os
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -26,7 +29,7 @@ from torch import nn
 from torch._dynamo.callback import callback_handler
 from torch.utils.data import DataLoader
 
-from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, DDPCUDAGraphStrategy, Stage
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, CUDAGraphWarning, DDPCUDAGraphStrategy, Stage
 from lightning_cudagraph._options.compile_options import CompileOptions
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._rollout.preflight import _check_compile, check_trainer
@@ -48,6 +51,10 @@ CPU = {"accelerator": "cpu", "devices": 1}
 STEPS = 8
 WARMUP = 2
 AOT_EAGER = {"backend": "aot_eager"}
+#: ``compile=`` that compiles the layer regions too (by default they stay uncompiled: too small to gain).
+REGIONS = {**AOT_EAGER, "regions": True}
+#: The start of the notice that a level's regions run uncompiled.
+UNCOMPILED = "compile= leaves the regions of level"
 #: Eager kernels compiled by dynamo against eager Lightning: the same float operations.
 TOLERANCE = 1e-5
 COMPILE_KEYS = ("cudagraph/compile_s", "cudagraph/recompiles")
@@ -147,8 +154,8 @@ def compile_something() -> None:
 
 # =================================================================== helpers
 def graphed(backend: FakeBackend | None = None, **options) -> CUDAGraphCallback:
-    """Scoped graphs on the layers, compiled, captured by a fake backend."""
-    callback = CUDAGraphCallback(**{"scope": ["layer"], "warmup_steps": WARMUP, "compile": AOT_EAGER, **options})
+    """Scoped graphs on the layers, compiled (regions included), captured by a fake backend."""
+    callback = CUDAGraphCallback(**{"scope": ["layer"], "warmup_steps": WARMUP, "compile": REGIONS, **options})
     callback.capture_backend = backend or FakeBackend()
     return callback
 
@@ -163,9 +170,12 @@ def whole_step(backend: FakeBackend | None = None, **options) -> CUDAGraphStrate
 
 
 def with_graphs(scope: str, **options) -> dict[str, object]:
-    """Fit options that turn graphs on: ``layer`` through the callback, ``full_iteration`` through the strategy."""
+    """Fit options that turn graphs on: ``layer`` through the callback (its regions compiled), ``full_iteration``
+    through the strategy."""
     if scope == "full_iteration":
         return {"strategy": whole_step(**options)}
+    if isinstance(options.get("compile"), dict):
+        options["compile"] = {"regions": True, **options["compile"]}
     return {"callbacks": [graphed(**options)]}
 
 
@@ -204,6 +214,8 @@ def batches_of_sizes(sizes: list[int]) -> DataLoader:
         pytest.param(True, CompileOptions(), id="true"),
         pytest.param({}, CompileOptions(), id="empty-dict"),
         pytest.param({"backend": "aot_eager"}, CompileOptions(backend="aot_eager"), id="backend"),
+        pytest.param({"regions": True}, CompileOptions(regions=True), id="regions"),
+        pytest.param({"regions": False}, CompileOptions(), id="no-regions"),
         pytest.param(
             {"mode": "max-autotune-no-cudagraphs", "fullgraph": True},
             CompileOptions(mode="max-autotune-no-cudagraphs", fullgraph=True),
@@ -255,6 +267,8 @@ def test_compile_accepts_booleans_and_torch_compile_arguments(value, expected):
             id="options-value-type",
         ),
         pytest.param({"fullgraph": "yes"}, ["'fullgraph': 'yes'", "fullgraph=True or False", "a bool"], id="fullgraph"),
+        pytest.param({"regions": "yes"}, ["'regions': 'yes'", "regions=True or False", "regions=True"], id="regions"),
+        pytest.param({"region": True}, ["'region'", "options, regions", "drop 'region'"], id="typo-regions"),
         pytest.param("inductor", ["compile='inductor'", "False, True, or a dict", "compile=True"], id="string"),
         pytest.param(1, ["compile=1", "False, True, or a dict"], id="int"),
     ],
@@ -298,6 +312,7 @@ def test_compile_is_off_by_default_in_every_public_signature(cls):
         pytest.param(True, id="true"),
         pytest.param({"mode": "max-autotune-no-cudagraphs", "fullgraph": True}, id="mode"),
         pytest.param({"backend": "aot_eager", "options": {"epilogue_fusion": False}}, id="options"),
+        pytest.param({"backend": "aot_eager", "regions": True}, id="regions"),
         pytest.param(False, id="false"),
     ],
 )
@@ -579,3 +594,77 @@ def test_resetting_dynamo_during_a_compiled_fit_does_not_fail_it():
     run = fit(*decoder(TINY), 6, [graphed(backend), _ResetDynamoAt(4)], **CPU)
     assert len(run.losses) == 6
     assert not backend.entered and patched_forwards(run.model) == []
+
+
+# =================================================================== 5. who is compiled: not regions too small to gain
+def notices(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The package's notices that a level's regions run uncompiled, among ``caught``."""
+    return [str(w.message) for w in caught if issubclass(w.category, CUDAGraphWarning) and UNCOMPILED in str(w.message)]
+
+
+@pytest.mark.parametrize("through", ["callback", "strategy"])
+def test_compile_true_leaves_layer_regions_uncompiled_says_why_once_and_reports_it(through):
+    eager = fit(*decoder(TINY), STEPS, **CPU)
+    backend = FakeBackend()
+    options = {"scope": ["layer"], "warmup_steps": WARMUP, "compile": {"backend": COUNTING}}
+    if through == "strategy":  # CUDAGraphStrategy also replays the optimizer update as a graph of its own
+        graphs: dict[str, object] = {"strategy": CUDAGraphStrategy(**options)}
+        graphs["strategy"].capture_backend = backend
+    else:
+        callback = CUDAGraphCallback(**options)
+        callback.capture_backend = backend
+        graphs = {"callbacks": [callback]}
+    with warnings.catch_warnings(record=True) as caught, DynamoWatch() as dynamo:
+        warnings.simplefilter("always")  # every notice given is seen: "once" is the package's, not the filter's
+        run = fit(*decoder(TINY), STEPS, **graphs, **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.captures, report.rollbacks) == (Stage.REPLAYING, 1, 0), report.reason
+    assert (dynamo.compiles, dynamo.runs) == (0, 0), "the layer regions were compiled"
+    assert math.isnan(report.compile_s) and "cudagraph/compile_s" not in report.metrics()
+    assert 0 <= report.parity_err <= FORWARD_TOL["full"], "checked as plain graphs, to the plain tolerance"
+    assert_losses_close(eager.losses, run.losses, TOLERANCE)
+    (notice,) = notices(caught)
+    for fragment in ("'layer'", "uncompiled", "H100", "7.76", "6.04", "6.45", "compile={'regions': True}"):
+        assert fragment in notice, notice
+    assert list(report.compile_exclusions) == ["layer"]
+    assert "7.76" in report.compile_exclusions["layer"] and "regions" in report.compile_exclusions["layer"]
+
+
+def test_compile_regions_true_compiles_the_layer_regions_without_a_notice():
+    with warnings.catch_warnings(record=True) as caught, DynamoWatch() as dynamo:
+        warnings.simplefilter("always")
+        run = fit(*decoder(TINY), STEPS, [graphed(compile={"backend": COUNTING, "regions": True})], **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
+    assert dynamo.compiles > 0 and dynamo.runs > 0 and report.compile_s > 0
+    assert notices(caught) == [] and report.compile_exclusions == {}
+
+
+def test_compile_true_still_compiles_the_whole_step_without_a_notice():
+    built = whole_step(compile={"backend": COUNTING})  # what strategy="cudagraph_full" runs, compiled
+    with warnings.catch_warnings(record=True) as caught, DynamoWatch() as dynamo:
+        warnings.simplefilter("always")
+        run = fit(*decoder(TINY), STEPS, strategy=built, **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
+    assert dynamo.compiles > 0 and dynamo.runs > 0 and report.compile_s > 0
+    assert notices(caught) == [] and report.compile_exclusions == {}
+
+
+def test_a_region_that_holds_the_whole_forward_is_compiled_without_a_notice():
+    callback = CUDAGraphCallback(
+        scope=["net"], modules={"net": "model"}, warmup_steps=WARMUP, compile={"backend": COUNTING}
+    )
+    callback.capture_backend = FakeBackend()
+    with warnings.catch_warnings(record=True) as caught, DynamoWatch() as dynamo:
+        warnings.simplefilter("always")
+        fit(*decoder(TINY), STEPS, [callback], **CPU)
+
+    report = callback.report
+    assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
+    assert report.scopes == {"net": ["model"]}
+    assert dynamo.compiles > 0 and dynamo.runs > 0 and report.compile_s > 0
+    assert notices(caught) == [] and report.compile_exclusions == {}

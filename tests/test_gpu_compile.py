@@ -2,15 +2,20 @@
 
 Each test compiles with inductor (10-30 s a model on the H200); the losses are compared with eager Lightning within
 what fused kernels move (they reorder float sums), the regions' parity is checked against the eager forward.
+``compile=True`` leaves layer regions uncompiled (too small to gain); ``compile={"regions": True}`` compiles them.
+Speed is measured by ``benchmarks/compile.py`` and ``benchmarks/scoped_compile.py``, never by a timed test.
 """
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import pytest
 import torch
 from torch._dynamo.callback import callback_handler
 
-from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, Stage
+from lightning_cudagraph import CUDAGraphCallback, CUDAGraphStrategy, CUDAGraphWarning, Stage
 from lightning_cudagraph._trust.tolerance import FORWARD_TOL
 from tests.helpers import assert_losses_close, fit_cuda, graph_callback, patched_forwards
 from tests.models import SMALL, decoder
@@ -46,7 +51,7 @@ def test_the_whole_step_captures_compiled_kernels_trains_as_eager_and_leaves_not
 
     report = graph_callback(run.trainer).report
     assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
-    assert report.compile_s > 0 and report.recompiles == 0
+    assert report.compile_s > 0 and report.recompiles == 0 and report.compile_exclusions == {}
     assert report.steps_replayed >= STEPS - WARMUP - 3
     assert_losses_close(eager.losses, run.losses, TOLERANCE)
     assert run.model.model._compiled_call_impl is None, "the compiled call is dropped with the fit"
@@ -87,21 +92,40 @@ def test_the_whole_step_with_compiled_kernels_in_16_mixed_under_a_step_schedule(
 
 def test_layers_capture_their_compiled_forwards_and_pass_parity_against_eager():
     eager = fit_cuda(*decoder(SMALL), STEPS)
-    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, compile=True)
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, compile={"regions": True})
     run = fit_cuda(*decoder(SMALL), STEPS, [callback])
 
     report = callback.report
     assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
     assert report.captures == 1 and report.replays >= (STEPS - WARMUP - 3) * SMALL["n_layer"]
     assert 0 <= report.parity_err <= FORWARD_TOL["compiled"]
-    assert report.compile_s > 0 and report.recompiles == 0
+    assert report.compile_s > 0 and report.recompiles == 0 and report.compile_exclusions == {}
     assert_losses_close(eager.losses, run.losses, TOLERANCE)
     assert patched_forwards(run.model) == []
 
 
+def test_compile_true_captures_layers_uncompiled_and_says_why_once():
+    eager = fit_cuda(*decoder(SMALL), STEPS)
+    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, compile=True)
+    with warnings.catch_warnings(record=True) as caught, CompileCounter() as compiles:
+        warnings.simplefilter("always")
+        run = fit_cuda(*decoder(SMALL), STEPS, [callback])
+
+    report = callback.report
+    assert (report.stage, report.rollbacks) == (Stage.REPLAYING, 0), report.reason
+    assert compiles.count == 0 and math.isnan(report.compile_s), "the layer regions were compiled"
+    assert 0 <= report.parity_err <= FORWARD_TOL["full"], "checked as plain graphs"
+    assert list(report.compile_exclusions) == ["layer"]
+    notices = [w for w in caught if issubclass(w.category, CUDAGraphWarning) and "uncompiled" in str(w.message)]
+    assert len(notices) == 1 and "compile={'regions': True}" in str(notices[0].message)
+    assert_losses_close(eager.losses, run.losses, TOLERANCE)
+
+
 def test_a_batch_of_another_shape_recompiles_eagerly_and_is_reported():
     samples = 8 * 6 + 4  # the last batch of each epoch has 4 rows
-    callback = CUDAGraphCallback(scope=["layer"], warmup_steps=WARMUP, compile=True, on_shape_change="eager")
+    callback = CUDAGraphCallback(
+        scope=["layer"], warmup_steps=WARMUP, compile={"regions": True}, on_shape_change="eager"
+    )
     with pytest.warns(UserWarning, match="compiled again after the capture"):
         run = fit_cuda(*decoder(SMALL, train_samples=samples, drop_last=False), 20, [callback])
 

@@ -108,7 +108,8 @@ def setup(variant: str) -> tuple[dict[str, Any] | None, Any]:
         ValueError: A variant that is not a Lightning variant of the package or eager.
     """
     base, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
-    extra: dict[str, Any] = {"compile": True} if compiled else {}
+    # Regions stay uncompiled under compile=True (they lost to plain graphs): a compiled level opts its regions in.
+    extra: dict[str, Any] = {"compile": True if base == "full_iteration" else {"regions": True}} if compiled else {}
     if compiled and base not in SCOPES and base not in ("full_iteration", "layer-strategy"):
         raise ValueError(f"{variant!r}: only a fixed scope or the whole step takes +compile")
     if base in ("eager", "te_eager", "handwritten_layer", *COMPILE_VARIANTS):

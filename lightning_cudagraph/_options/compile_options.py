@@ -15,8 +15,8 @@ import torch.nn as nn
 
 __all__ = ["COMPILE_KEYS", "COMPILE_MODES", "CompileOptions", "inductor_graphs_in"]
 
-#: The keys of a ``compile=`` mapping (``torch.compile`` arguments).
-COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
+#: The keys of a ``compile=`` mapping: ``torch.compile`` arguments, and the package's ``regions``.
+COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options", "regions")
 #: ``mode=`` values allowed: none of them runs inductor's own CUDA graphs.
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 #: Inductor modes that capture CUDA graphs of their own (graphs in graphs).
@@ -31,12 +31,17 @@ def _error(component: str, value: Any, allowed: str, fix: str) -> ValueError:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """How ``torch.compile`` is called on what is captured (``dynamic`` is always ``False``)."""
+    """How ``torch.compile`` is called on what is captured (``dynamic`` is always ``False``).
+
+    ``regions`` is the package's own key: ``True`` compiles scoped regions too small to gain from it (by default
+    only the whole step and a region that holds the whole forward are compiled).
+    """
 
     mode: str | None = None
     fullgraph: bool = False
     backend: str = "inductor"
     options: tuple[tuple[str, Any], ...] = ()
+    regions: bool = False
 
     @classmethod
     def from_option(cls, component: str, value: Any) -> CompileOptions | None:
@@ -87,12 +92,21 @@ class CompileOptions:
         fullgraph, backend = value.get("fullgraph", False), value.get("backend", "inductor")
         if not isinstance(fullgraph, bool):
             raise _error(component, value, "fullgraph=True or False", "pass a bool")
+        regions = value.get("regions", False)
+        if not isinstance(regions, bool):
+            raise _error(
+                component,
+                value,
+                "regions=True or False",
+                "pass regions=True to compile scoped regions too small to gain from it, or drop regions",
+            )
         if backend == "cudagraphs":
             allowed = "a backend that does not capture CUDA graphs"
             raise _error(component, value, allowed, "pass backend='inductor' (graphs in graphs)")
         if not isinstance(backend, str) or (backend != "inductor" and backend not in _backends()):
             raise _error(component, value, f"backend in {_backends()}", "pass backend='inductor' (the default)")
-        return cls(mode=mode, fullgraph=fullgraph, backend=backend, options=tuple(sorted(options.items())))
+        options_items = tuple(sorted(options.items()))
+        return cls(mode=mode, fullgraph=fullgraph, backend=backend, options=options_items, regions=regions)
 
     def as_option(self) -> dict[str, Any]:
         """The options in the form a user passes them."""
@@ -101,6 +115,8 @@ class CompileOptions:
             option["mode"] = self.mode
         if self.options:
             option["options"] = dict(self.options)
+        if self.regions:
+            option["regions"] = True
         return option
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -45,7 +45,7 @@ def compile_options(component: str, value: Any, scope: tuple[str, ...], impl: An
             component,
             "compile",
             value,
-            "False, True, or a dict of torch.compile arguments (backend, fullgraph, mode, options)",
+            "False, True, or a dict of torch.compile arguments (backend, fullgraph, mode, options) and regions",
             f"pass compile=True with a fixed scope, e.g. {fixed}, compile=True (compile= does not run under"
             " scope='auto'), or compile=False",
         )
