@@ -7,6 +7,7 @@ output (NeMo's Lightning callback does the same).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -154,6 +156,93 @@ class StepLogs:
         """Forget the calls and where they landed."""
         self.calls = []
         self._feeds = []
+
+
+class ManualUpdates:
+    """The optimizer steps a manual ``training_step`` took while captured, re-issued to Lightning's loop after replays.
+
+    Under manual optimization, ``optimizer.step()`` tells the loop through the ``LightningOptimizer`` 's
+    ``_on_before_step`` and ``_on_after_step`` (the optimizer-step progress, which is ``trainer.global_step``, and
+    the profiler). A replay runs no Python, so the capture records which optimizers stepped, in order, instead of
+    counting them, and each replay tells the loop the same.
+
+    Example:
+        >>> import torch
+        >>> from lightning.pytorch.core.optimizer import LightningOptimizer
+        >>> optimizer = LightningOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+        >>> seen = []
+        >>> optimizer._on_before_step = lambda: seen.append("before")
+        >>> updates = ManualUpdates()
+        >>> with updates.recorded([optimizer]):
+        ...     optimizer._on_before_step()
+        >>> seen, len(updates.calls)
+        ([], 1)
+        >>> updates.reissue()
+        >>> seen
+        ['before']
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[LightningOptimizer] = []
+
+    @contextlib.contextmanager
+    def recorded(self, optimizers: list[LightningOptimizer]) -> Iterator[None]:
+        """Record the optimizer steps ``optimizers`` take instead of telling the loop (the capture trains nothing)."""
+        self.calls = []
+        hooks = [(optimizer, optimizer._on_before_step, optimizer._on_after_step) for optimizer in optimizers]
+        for optimizer in optimizers:
+            optimizer._on_before_step = functools.partial(self.calls.append, optimizer)
+            optimizer._on_after_step = do_nothing_closure
+        try:
+            yield
+        finally:
+            for optimizer, before, after in hooks:
+                optimizer._on_before_step, optimizer._on_after_step = before, after
+
+    def reissue(self) -> None:
+        """Tell the loop about each recorded step, as ``LightningOptimizer.step`` would around it."""
+        for optimizer in self.calls:
+            optimizer._on_before_step()
+            optimizer._on_after_step()
+
+    def clear(self) -> None:
+        """Forget the recorded steps."""
+        self.calls = []
+
+
+class GradToggles:
+    """Which parameters require gradients, and Lightning's record of a ``toggle_optimizer`` still open.
+
+    A manual ``training_step`` toggles them (``toggle_optimizer``, then ``untoggle_optimizer``); a capture that fails
+    between the two would leave the other optimizers' parameters frozen, so it puts them back.
+
+    Example:
+        >>> import torch
+        >>> import lightning.pytorch as pl
+        >>> module = pl.LightningModule()
+        >>> module.layer = torch.nn.Linear(2, 2)
+        >>> toggles = GradToggles(module)
+        >>> module.layer.weight.requires_grad_(False) and None
+        >>> toggles.restore()
+        >>> module.layer.weight.requires_grad
+        True
+    """
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self._module = module
+        self._flags = [(parameter, parameter.requires_grad) for parameter in module.parameters()]
+        self._open = dict(getattr(module, "_param_requires_grad_state", {}))
+
+    def restore(self) -> None:
+        """Put every flag and the record back."""
+        for parameter, flag in self._flags:
+            parameter.requires_grad_(flag)
+        self._module._param_requires_grad_state = self._open
+
+
+def manual_optimizers(trainer: pl.Trainer) -> list[LightningOptimizer]:
+    """The ``LightningOptimizer`` s a manual ``training_step`` steps (``self.optimizers()``)."""
+    return list(trainer.strategy._lightning_optimizers)
 
 
 def _feed(module: pl.LightningModule, results: Any, call: LogCall, hook: str) -> _Feed | None:

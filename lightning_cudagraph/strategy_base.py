@@ -1,8 +1,9 @@
 """What both strategies of the package share: the graph options and the whole-step override points.
 
 The override points a whole-step graph needs: ``batch_to_device`` (static batch buffers), ``training_step`` (the
-captured output), ``optimizer_step`` (capture and replay), ``teardown`` and ``on_exception`` (release before the
-model leaves the GPU). On connect, the strategy adds :class:`~lightning_cudagraph.CUDAGraphCallback` with its
+captured output; under manual optimization the step captured and replayed), ``optimizer_step`` (capture and replay),
+``backward`` (a manual step's losses checked for non-finite values), ``teardown`` and ``on_exception`` (release before
+the model leaves the GPU). On connect, the strategy adds :class:`~lightning_cudagraph.CUDAGraphCallback` with its
 options when the user did not.
 """
 
@@ -100,9 +101,23 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
         rollout = self.rollout
         if rollout is None:
             return super().training_step(*args, **kwargs)
-        output = super().training_step(*rollout.training_step_arguments(args), **kwargs)
-        rollout.on_training_step_output(output)
-        return output
+
+        def step() -> Any:
+            output = super(CUDAGraphStrategyBase, self).training_step(*rollout.training_step_arguments(args), **kwargs)
+            rollout.on_training_step_output(output)
+            return output
+
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:  # it steps the optimizers: the whole step
+            return rollout.run_training_step(module.trainer, step)
+        return step()
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rollout = self.rollout
+        if rollout is not None:
+            rollout.on_backward(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -155,6 +170,8 @@ class CUDAGraphStrategyBase(HoldsCaptureBackend, _Strategy):
             run_step = lambda: super(CUDAGraphStrategyBase, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
         if rollout is None or module is None:
             return run_step()
+        if not module.automatic_optimization:  # called by training_step, which is the whole step
+            return rollout.run_manual_update(module.trainer, closure, optimizer, run_step)
         return rollout.run_whole_step(module.trainer, closure, optimizer, run_step)
 
     def _accumulate(self, closure: Callable[[], Any]) -> Any:

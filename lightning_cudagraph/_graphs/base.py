@@ -104,8 +104,19 @@ class Driver(ABC):
         """Carry out the optimizer step (the strategy's ``optimizer_step``); by default eagerly."""
         return run_step()
 
+    def run_training_step(self, trainer: pl.Trainer, run_step: Callable[[], Any]) -> Any:
+        """Carry out a manual ``training_step`` (it steps the optimizers itself); by default eagerly."""
+        return run_step()
+
+    def run_manual_update(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
+        """Carry out an optimizer step a manual ``training_step`` takes: as any optimizer step (:meth:`run`)."""
+        return self.run(trainer, closure, optimizer, run_step)
+
     def on_training_step_output(self, output: Any) -> None:  # noqa: B027
         """``training_step`` returned ``output``."""
+
+    def on_backward(self, loss: Any) -> None:  # noqa: B027
+        """The step backpropagates ``loss`` (called while :attr:`capturing` only)."""
 
     @property
     def capturing(self) -> bool:

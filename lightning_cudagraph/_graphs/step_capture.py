@@ -10,10 +10,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from torch import Tensor
+
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._graphs.accumulation import GradientBinding, Position
 from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
-from lightning_cudagraph._lightning import step_loss
+from lightning_cudagraph._lightning import GradToggles, manual_optimizers, step_loss
 from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph._trust.capture_hints import capture_failure
 from lightning_cudagraph._trust.evidence import MetricUpdates
@@ -32,6 +34,7 @@ class StepCapture:
     def __init__(self, backend: CaptureBackend, machine: StageMachine, flags: NonFiniteFlags) -> None:
         self.backend, self.machine, self.flags = backend, machine, flags
         self._capturing: WholeStep | None = None
+        self._manual = False  # whether the step being captured is a manual training_step
 
     @property
     def capturing(self) -> bool:
@@ -45,7 +48,12 @@ class StepCapture:
             return
         whole.output = output
         loss = step_loss(output)
-        if loss is not None:
+        if loss is not None and not whole.updates.calls:  # a manual step checked the losses it backpropagated
+            self.flags.update(loss)
+
+    def on_backward(self, loss: Any) -> None:
+        """While capturing a manual step: each loss ``manual_backward`` receives gets the non-finite check."""
+        if self._capturing is not None and self._manual and isinstance(loss, Tensor):
             self.flags.update(loss)
 
     def capture(
@@ -60,15 +68,19 @@ class StepCapture:
             before: Everything the step changes, copied before: put back when the capture is dropped.
         """
         metrics = MetricUpdates([("", module)])
+        # Under manual optimization training_step steps the optimizers: the loop hears of it at each replay instead.
+        self._manual = not module.automatic_optimization
+        manual = manual_optimizers(module.trainer) if self._manual else []
 
         def body() -> None:  # what the graph holds; its Python runs while capturing only
             self._capturing = whole
             try:
-                with whole.logs.recorded(module):
+                with whole.logs.recorded(module), whole.updates.recorded(manual):
                     run_step()
             finally:
                 self._capturing = None
 
+        toggles = GradToggles(module)
         started = time.perf_counter()
         error: Exception | None = None
         try:
@@ -85,6 +97,7 @@ class StepCapture:
             whole.graph = None
         updated = metrics.changed()  # before the state (update counters included) is put back
         before.restore()
+        toggles.restore()  # a capture that failed inside toggle_optimizer ... untoggle_optimizer
         if updated and error is not None:  # torchmetrics' own host syncs fail the capture: name the cause
             self.machine.rollback(metric_in_graph(updated, f" (its capture failed: {error})"), error)
         else:
@@ -107,13 +120,14 @@ def metric_in_graph(updated: list[str], failure: str = "") -> str:
 
 
 def refused_capture(
-    whole: WholeStep, position: Position, binding: GradientBinding, step: int, drawn: list[str]
+    whole: WholeStep, position: Position, binding: GradientBinding, step: int, drawn: list[str], manual: bool = False
 ) -> str | None:
     """The rollback reason of a capture that ran but cannot be trusted with the fit, or ``None``.
 
-    A step whose ``training_step`` skipped its batch holds no backward and no optimizer step. A later micro-batch of
-    an accumulation window must add into the gradients its window's first graph writes, not replace them. A step that
-    ``drawn`` from a private generator at its capture, which the observed steps did not show, would repeat the draw.
+    A step whose ``training_step`` skipped its batch (``manual``: stepped no optimizer) holds no optimizer step. A
+    later micro-batch of an accumulation window must add into the gradients its window's first graph writes, not
+    replace them. A step that ``drawn`` from a private generator at its capture, which the observed steps did not show,
+    would repeat the draw.
     """
     if drawn:
         return (
@@ -122,7 +136,12 @@ def refused_capture(
             " device=self.device)), which a replay draws anew, or use a scoped level (strategy='cudagraph' or"
             " scope=['layer'])"
         )
-    if step_loss(whole.output) is None:
+    if manual and not whole.updates.calls:
+        return (
+            f"skipped_step: training_step stepped no optimizer at step {step}, the step being captured, so every replay"
+            f" would train nothing. Fix: {SKIP_FIX}"
+        )
+    if not manual and step_loss(whole.output) is None:
         return (
             f"skipped_step: training_step returned None at step {step}, the step being captured, so its graph would"
             f" hold no backward and no optimizer step and every replay would train nothing. Fix: {SKIP_FIX}"

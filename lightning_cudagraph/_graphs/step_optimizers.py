@@ -7,8 +7,10 @@ that moves after the capture is a rollback reason. Checkpoints keep the optimize
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
+import lightning.pytorch as pl
 import torch
 
 from lightning_cudagraph._backend.backend import CaptureBackend, PreparedOptimizer
@@ -93,3 +95,46 @@ class StepOptimizers:
         prepared, self.prepared = list(self.prepared.values()), {}
         for optimizer in prepared:
             optimizer.restore()
+
+
+class Schedule:
+    """The learning rates and scheduler positions of a fit, taken before a manual ``training_step`` is captured.
+
+    A manual ``training_step`` may step its schedulers or write a rate itself; inside a whole-step graph that Python
+    runs once, at capture, and a replay would keep the rate where the capture left it. :meth:`moved` names such a
+    step before any replay, and :meth:`restore` undoes what the capture's Python did.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._groups = [group for optimizer in trainer.optimizers for group in optimizer.param_groups]
+        self._rates = [group["lr"] for group in self._groups]
+        self._schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        self._states = [copy.deepcopy(scheduler.state_dict()) for scheduler in self._schedulers]
+
+    def moved(self) -> str | None:
+        """What the step moved: a scheduler it stepped, or a rate it wrote (``None``: nothing)."""
+        for scheduler, state in zip(self._schedulers, self._states, strict=True):
+            if getattr(scheduler, "last_epoch", None) != state.get("last_epoch"):
+                position = f"last_epoch {state.get('last_epoch')} to {scheduler.last_epoch}"
+                return f"stepped {type(scheduler).__name__} ({position})"
+        for index, (group, rate) in enumerate(zip(self._groups, self._rates, strict=True)):
+            if group["lr"] is not rate:
+                return f"wrote the learning rate of parameter group {index} ({group['lr']})"
+        return None
+
+    def restore(self) -> None:
+        """Put the rates and the schedulers back as they were before the capture."""
+        for group, rate in zip(self._groups, self._rates, strict=True):
+            group["lr"] = rate
+        for scheduler, state in zip(self._schedulers, self._states, strict=True):
+            scheduler.load_state_dict(copy.deepcopy(state))
+
+
+def schedule_moved(moved: str, step: int) -> str:
+    """The rollback reason of a manual step that moved the schedule (:meth:`Schedule.moved`) at its capture."""
+    return (
+        f"step_python: training_step {moved} at the captured step {step}; a whole-step graph runs that Python once,"
+        " so every replay would keep the rate the capture left. Fix: step schedulers or write rates in"
+        " on_train_batch_start or on_train_batch_end, which run every step outside the graph (the graph reads the"
+        " rate from the device), or use a scoped level (strategy='cudagraph' or scope=['layer'])"
+    )

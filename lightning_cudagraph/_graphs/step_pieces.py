@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_cudagraph._backend.backend import StepGraph
 from lightning_cudagraph._graphs.accumulation import Place, Position
-from lightning_cudagraph._lightning import StepLogs
+from lightning_cudagraph._lightning import ManualUpdates, StepLogs
 from lightning_cudagraph._options.batches import copy_into
 
 
@@ -23,6 +23,8 @@ class WholeStep:
         static_batch: The batch the graph reads (the package's own tensors); each step's batch is copied into it.
         output: ``training_step`` 's output as captured (static tensors the replays rewrite).
         logs: The ``self.log`` calls ``training_step`` made while captured, re-issued after each replay.
+        updates: Under manual optimization, the optimizer steps ``training_step`` took while captured, re-issued to
+            Lightning's loop after each replay (they are ``trainer.global_step``).
         confirm_left: Replays still to be checked before this shape's graph is trusted.
         shadowed: Whether a shadow step has checked it.
         grads: The gradient tensors the graph writes (a first micro-batch) or adds into (a later one), per parameter.
@@ -32,6 +34,7 @@ class WholeStep:
     graph: StepGraph | None = None
     output: Any = None
     logs: StepLogs = field(default_factory=StepLogs)
+    updates: ManualUpdates = field(default_factory=ManualUpdates)
     confirm_left: int = 0
     shadowed: bool = False
     grads: list[Tensor | None] | None = None
@@ -52,6 +55,7 @@ class WholeStep:
         self.graph = None
         self.static_batch = self.output = self.grads = None
         self.logs.clear()
+        self.updates.clear()
 
 
 @dataclass(eq=False)

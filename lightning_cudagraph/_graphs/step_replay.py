@@ -51,7 +51,9 @@ class StepReplays:
         self.report.steps_replayed += 1
         output = whole.output_copy()
         if reissue:
-            set_closure_result(closure, output, trainer.accumulate_grad_batches)
+            if closure is not None:  # manual optimization has no closure: training_step's output goes to the loop
+                set_closure_result(closure, output, trainer.accumulate_grad_batches)
+            whole.updates.reissue()
             whole.logs.reissue(module)
         whole.confirm_left -= 1
         return output

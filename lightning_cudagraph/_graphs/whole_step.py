@@ -23,7 +23,7 @@ from lightning_cudagraph._backend.watchdog import ReplayWatchdog
 from lightning_cudagraph._graphs.accumulation import GradientBinding
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
 from lightning_cudagraph._graphs.step_capture import StepCapture, metric_in_graph, refused_capture
-from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
+from lightning_cudagraph._graphs.step_optimizers import Schedule, StepOptimizers, schedule_moved
 from lightning_cudagraph._graphs.step_pieces import (
     CaptureStep,
     EagerStep,
@@ -119,9 +119,13 @@ class WholeStepDriver(Driver):
 
     # ------------------------------------------------------------------ carrying it out (``optimizer_step``)
     def run(
-        self, trainer: pl.Trainer, closure: Any, optimizer: torch.optim.Optimizer, run_step: Callable[[], Any]
+        self, trainer: pl.Trainer, closure: Any, optimizer: torch.optim.Optimizer | None, run_step: Callable[[], Any]
     ) -> Any:
-        """Run the optimizer step as planned: eagerly, or captured then replayed."""
+        """Run the optimizer step as planned: eagerly, or captured then replayed.
+
+        Under manual optimization ``run_step`` is ``training_step`` itself (it steps the optimizers), with no
+        ``closure`` and no ``optimizer``.
+        """
         plan, self._plan = self._plan, None
         if plan is not None and not isinstance(plan, EagerStep) and accumulating(trainer) == plan.position.place.steps:
             plan = EagerStep(fallback=f"accumulation: the loop did not run the planned {plan.position.describe()}")
@@ -182,21 +186,29 @@ class WholeStepDriver(Driver):
     def _capture(
         self,
         plan: CaptureStep,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         run_step: Callable[[], Any],
         module: Any,
         before: TrainingState,
     ) -> bool:
         whole, first = plan.whole, not self.captured_any
-        self.optimizers.prepare(optimizer)
+        if optimizer is not None:
+            self.optimizers.prepare(optimizer)
         self.optimizers.refresh()  # a rate written as a number since the last step is the graph's input, not a constant
+        manual, step = not module.automatic_optimization, module.trainer.global_step
+        schedule = Schedule(module.trainer) if manual else None  # a manual step may move it inside the graph
         self.before_capture()
         started = time.perf_counter()
         metrics = self.capture.capture(whole, run_step, module, before)
+        moved = schedule.moved() if schedule is not None else None
+        if schedule is not None and moved is not None:
+            schedule.restore()
         if metrics is None:
             self.binding.forget()
             return False
-        refusal = refused_capture(whole, plan.position, self.binding, module.trainer.global_step, before.drawn())
+        refusal = refused_capture(whole, plan.position, self.binding, step, before.drawn(), manual)
+        if refusal is None and moved is not None:
+            refusal = schedule_moved(moved, step)
         if refusal is not None:
             whole.reset()
             before.restore()
@@ -227,6 +239,18 @@ class WholeStepDriver(Driver):
             f"{self.component}: captured the whole step for batch {describe_batch_key(plan.key)}{where}{evicted}"
         )
         return True
+
+    def run_training_step(self, trainer: pl.Trainer, run_step: Callable[[], Any]) -> Any:
+        """A manual ``training_step`` is the whole step: it runs as planned, as :meth:`run` runs an automatic one."""
+        return self.run(trainer, None, None, run_step)
+
+    def run_manual_update(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
+        """An optimizer step inside the manual step: captured, or run eagerly, with the step that holds it."""
+        return run_step()
+
+    def on_backward(self, loss: Any) -> None:
+        """While capturing a manual step: the loss gets the non-finite check."""
+        self.capture.on_backward(loss)
 
     def why_not_captured(self) -> str | None:
         """Every batch had a signature of its own: a value that changes per batch is part of the whole step's key."""

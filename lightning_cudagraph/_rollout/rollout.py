@@ -170,6 +170,25 @@ class Rollout:
         step = lambda: driver.run(trainer, closure, optimizer, run_step)  # noqa: E731
         return self.step_python.run(trainer, driver, self.machine, self.climb.ladder, step)
 
+    def run_training_step(self, trainer: pl.Trainer, run_step: Callable[[], Any]) -> Any:
+        """Under manual optimization: ``training_step`` steps the optimizers, so it is the step a whole step holds."""
+        driver = self.driver
+        step = lambda: driver.run_training_step(trainer, run_step)  # noqa: E731
+        return self.step_python.run(trainer, driver, self.machine, self.climb.ladder, step)
+
+    def run_manual_update(self, trainer: pl.Trainer, closure: Any, optimizer: Any, run_step: Callable[[], Any]) -> Any:
+        """An optimizer step that a manual ``training_step`` takes (its settings are watched apart from its trace)."""
+        self.step_python.pause_trace()
+        try:
+            return self.driver.run_manual_update(trainer, closure, optimizer, run_step)
+        finally:
+            self.step_python.resume_trace()
+
+    def on_backward(self, loss: Any) -> None:
+        """The step backpropagates ``loss`` (while capturing a manual step: its non-finite check is captured)."""
+        if self.driver.capturing:
+            self.driver.on_backward(loss)
+
     def training_step_arguments(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``training_step`` 's arguments; in an observed step, ``batch_idx`` notes where user code reads it."""
         return self.step_python.step_arguments(args)

@@ -56,6 +56,7 @@ class StepPython:
         #: Per batch key: the set-up steps, the first one after them (the reference) and the latest.
         self._spans: dict[Any, list[Behaviour]] = {}
         self._current: Behaviour | None = None
+        self._updates = 0  # optimizer steps the observed step took itself (manual optimization)
         self._epoch: int | None = None
         self._planned: Any = _UNOBSERVED  # (batch key, whether it re-checks) of the step planned to run observed
 
@@ -138,7 +139,7 @@ class StepPython:
             if not type(callback).__module__.startswith(_PACKAGE)  # the package's own bookkeeping is not the step's
         ]
         with self.observer.span([module], reader=reader, paused=True, others=callbacks) as seen:
-            self._current = seen
+            self._current, self._updates = seen, 0
             try:
                 output = run_step()
             finally:
@@ -158,13 +159,21 @@ class StepPython:
 
     def step_output(self, output: Any) -> None:
         """``training_step`` returned ``output`` in an observed step (``None``: the batch was skipped)."""
-        if self._current is not None and step_loss(output) is None:
+        if (
+            self._current is not None and step_loss(output) is None and not self._updates
+        ):  # a manual step may return None
             self._current.skipped = True
 
     def pause_trace(self) -> None:
         """The optimizer's update starts (``on_before_optimizer_step``): its settings are watched apart."""
         if self._current is not None:
             self.observer.pause()
+
+    def resume_trace(self) -> None:
+        """A manual ``training_step`` 's optimizer step ended: the rest of the step is traced again."""
+        if self._current is not None:
+            self._updates += 1
+            self.observer.resume()
 
     def _judge(self, key: Any, seen: Behaviour, module: torch.nn.Module) -> None:
         """Weigh one observed step against the steps of its batch key before it (:func:`frozen_by_a_graph`)."""
