@@ -120,6 +120,18 @@ def test_the_whole_step_keeps_a_constant_step_and_leaves_out_steps_whose_python_
         assert "step_python" in runs[name]["runs"][0]["reason"], runs[name]["runs"][0]["reason"]
 
 
+def test_a_manual_gan_trains_on_the_whole_step_equal_to_eager():
+    """The zoo's GAN (manual optimization, two optimizers, clipping) through the whole step and ``scope="auto"``."""
+    settings = zoo.Settings(device="cpu", capture_backend="fake", steps=24, timed=4, window=2)
+    (entry,) = entries_named(["manual_gan"])
+    record = zoo.run_entry(entry, ["cudagraph", "full"], settings, say=lambda line: None)
+    runs = {run["variant"]: run for run in record["runs"]}
+    for variant, run in runs.items():
+        assert run["class"] == "graphs-ok", (variant, run.get("reason"), run.get("off"))
+        assert run["report"]["replays"] > 0, (variant, run["report"])
+    assert runs["cudagraph"]["report"]["level"] == "full_iteration", runs["cudagraph"]["report"]
+
+
 def test_the_moe_variant_runs_only_for_moe_entries():
     (entry,) = entries_named(["device_tensordataset"])
     record = zoo.run_entry(entry, ["moe"], CPU_FAKE, say=lambda line: None)

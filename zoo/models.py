@@ -606,6 +606,56 @@ def build_python_step(kind: str) -> Callable[[BuildContext], Built]:
     return build
 
 
+class ManualGAN(ZooModule):
+    """A GAN-style pair under manual optimization, as Lightning documents it: each turn toggles its optimizer.
+
+    The classifier (``net``) is trained on the labels and to fool a critic that tells its class distributions from the
+    labels' one-hot rows; the critic learns to tell them apart. Each turn clips its gradients by norm
+    (``self.clip_gradients``) and steps its own AdamW, so Lightning counts two optimizer steps per batch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(_mlp(), _classification_loss, _adamw())
+        self.automatic_optimization = False
+        self.critic = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return _adamw()(self.net.parameters()), _adamw()(self.critic.parameters())
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.batch_sums.index_copy_(0, self._slot, checksum(batch_tensors(batch)).view(1))
+        classifier, critic = self.optimizers()
+        inputs, labels = batch
+        self.toggle_optimizer(classifier)
+        logits = self.net(inputs)
+        fake = logits.softmax(-1)
+        loss = F.cross_entropy(logits, labels) + 0.1 * F.softplus(-self.critic(fake)).mean()
+        classifier.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(classifier, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        classifier.step()
+        self.untoggle_optimizer(classifier)
+        self.toggle_optimizer(critic)
+        real = torch.eye(4, device=labels.device)[labels]
+        critic_loss = F.softplus(-self.critic(real)).mean() + F.softplus(self.critic(fake.detach())).mean()
+        critic.zero_grad()
+        self.manual_backward(critic_loss)
+        self.clip_gradients(critic, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        critic.step()
+        self.untoggle_optimizer(critic)
+        self.log("train_loss", loss)
+        return loss
+
+
+def build_manual_gan(ctx: BuildContext) -> Built:
+    """:class:`ManualGAN` on the device ``TensorDataset`` (8 batches an epoch)."""
+    inputs, labels = _device_tensors(ctx, 16 * 8)
+    loader = DataLoader(TensorDataset(inputs, labels), batch_size=16, shuffle=False)
+    return Built(ManualGAN(), loader, [inputs, labels])
+
+
 # -- vision ------------------------------------------------------------------------------------------------------
 def build_resnet18_cyclic(ctx: BuildContext) -> Built:
     """torchvision ``resnet18`` at 64x64 (BatchNorm), SGD with ``CyclicLR`` cycling momentum (interval ``step``)."""
@@ -766,6 +816,8 @@ ENTRIES: tuple[Entry, ...] = (
           build_python_step("lr_warmup"), layer_modules="net.*"),
     Entry("python_temperature_mid_epoch", (), "a callback sets a loss temperature the step reads, mid-epoch",
           build_python_step("temperature"), layer_modules="net.*"),
+    Entry("manual_gan", (), "manual optimization, a GAN: two optimizers, toggle_optimizer, clip_gradients",
+          build_manual_gan, layer_modules="net.*"),
     Entry("device_batch_views", (), "batches are views of a device dataset, 8 epochs", build_device_views,
           layer_modules="net.*"),
     Entry("gpt2_onecycle_clip", HF, "OneCycleLR (betas cycle) + gradient_clip_val=1.0", build_gpt2_onecycle, clip=1.0),
