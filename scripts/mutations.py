@@ -1354,6 +1354,36 @@ MUTATIONS: list[Mutation] = [
         "nn.Module.__setattr__ stays patched after a whole-step fit",
         G + "test_the_write_log_is_gone_after_the_fit",
     ),
+    m(
+        "_graphs/step_replay.py",
+        "            whole.updates.reissue()\n",
+        "",
+        "a replayed manual step does not tell Lightning's loop about its optimizer steps (global_step stands still)",
+        "tests/test_manual_optimization.py::test_the_whole_step_holds_a_manual_step_and_trains_as_eager[control]",
+    ),
+    m(
+        "_graphs/step_capture.py",
+        "        toggles.restore()  # a capture that failed inside toggle_optimizer ... untoggle_optimizer\n",
+        "",
+        "a capture that fails between toggle_optimizer and untoggle_optimizer leaves parameters frozen",
+        "tests/test_manual_optimization.py"
+        "::test_a_whole_step_capture_that_fails_between_the_toggles_gives_the_parameters_back",
+    ),
+    m(
+        "_graphs/whole_step.py",
+        "        if refusal is None and moved is not None:\n",
+        "        if False:\n",
+        "a scheduler stepped inside a captured manual step is not refused (the replays keep the captured rate)",
+        "tests/test_manual_optimization.py"
+        "::test_a_scheduler_stepped_inside_a_manual_step_is_refused_and_its_fix_replays_as_eager",
+    ),
+    m(
+        "_graphs/step_capture.py",
+        "    if manual and not whole.updates.calls:\n",
+        "    if False:\n",
+        "a captured manual step that stepped no optimizer is replayed (every replay trains nothing)",
+        "tests/test_manual_optimization.py::test_a_manual_step_that_steps_no_optimizer_at_its_capture_is_refused",
+    ),
 ]
 
 

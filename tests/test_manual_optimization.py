@@ -159,6 +159,28 @@ class SchedulerAfterStep(SchedulerInStep):
         self.lr_schedulers().step()
 
 
+#: Calls of ``StepsButOnce.training_step`` in the current fit: Python state outside the modules, which no observation
+#: sees.
+_CALLS = [0]
+
+
+class StepsButOnce(Manual):
+    """Steps its optimizer on every call but the third (the whole step's capture after two warmup steps)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _CALLS[0] = 0
+
+    def training_step(self, batch, batch_idx):
+        _CALLS[0] += 1
+        if _CALLS[0] != 3:
+            return super().training_step(batch, batch_idx)
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        self.optimizers().zero_grad()
+        return loss
+
+
 class BackwardTwice(Manual):
     """Two forwards and two ``manual_backward`` calls per step (the second on the flipped sequences), one update."""
 
@@ -334,3 +356,10 @@ def test_a_scheduler_stepped_inside_a_manual_step_is_refused_and_its_fix_replays
     assert fixed.report.stage == Stage.REPLAYING and fixed.report.replays > fixed.steps // 3, fixed.report.reason
     scheduled, constant = eager(SchedulerAfterStep).params, eager(Manual).params
     assert any(not torch.equal(scheduled[k], constant[k]) for k in constant)  # the schedule changed the training
+
+
+def test_a_manual_step_that_steps_no_optimizer_at_its_capture_is_refused():
+    """A replay of that capture would train nothing: refused before any replay, with the reason."""
+    report = run(StepsButOnce, "full").report
+    assert report.replays == 0 and report.stage == Stage.DISABLED, report
+    assert report.reason.startswith("rollback: skipped_step") and "stepped no optimizer" in report.reason, report.reason
