@@ -8,6 +8,7 @@ graphs, a fit that never reaches replay, and a whole-step graph that is wrong (t
 
 from __future__ import annotations
 
+import re
 from collections import UserDict
 
 import lightning.pytorch as pl
@@ -271,6 +272,9 @@ def test_the_audit_catches_a_graph_that_goes_wrong_in_the_steady_state():
     report = graph_callback(run.trainer).report
     assert report.stage == Stage.DISABLED and report.audits >= 2
     assert report.steps_replayed > 0
+    # The audit's one-number verdict failed; it then names the parameter the graph got wrong, and by how much.
+    reason = report.rollback_reasons[0]
+    assert re.search(r"; first off: model\.blocks\.0\.mlp\.fc\.weight, by \d", reason), reason
     wrong_steps = max_param_diff(eager.params, parameters_of(run.model))
     assert wrong_steps < 0.1, "at most the steps between two audits trained on the wrong graph"
 

@@ -4,16 +4,21 @@ A dropped whole-step capture has still run ``training_step`` 's Python: a torchm
 and may have rebound its states to tensors in the graph's pool, a counter moved, the CPU generator drew. A shadow step
 changes the parameters and the optimizer too, and a generator the step draws from (the global ones, and those kept on
 the module or a submodule) has drawn once more. Putting it all back makes the step run exactly once.
+
+Copies, restores and the comparison of a shadow step run as fused (``torch._foreach_*``) operations over all the
+tensors of one device and dtype: a handful of kernels, not a few per parameter, and no host sync.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn import Parameter
 from torchmetrics import Metric
 
 from lightning_cudagraph._trust.generators import HeldGenerator, held_generators
@@ -21,6 +26,9 @@ from lightning_cudagraph._trust.generators import HeldGenerator, held_generators
 _SCALARS = (bool, int, float, str, type(None))
 #: Python-side bookkeeping of a torchmetrics ``Metric`` besides its registered states.
 _METRIC_FIELDS = ("_update_count", "_computed", "_forward_cache")
+#: Elements of one fused pass of a comparison (1 MiB in float32): its temporaries stay this size, and in cache, unless
+#: one tensor is larger (that tensor is then a pass of its own).
+_CHUNK = 1 << 18
 
 
 def _clone(value: Any) -> Any:
@@ -29,6 +37,33 @@ def _clone(value: Any) -> Any:
     if isinstance(value, list):
         return [_clone(v) for v in value]
     return value
+
+
+@dataclass(frozen=True)
+class Differences:
+    """Differences from eager, one per parameter (or gradient), in a device vector that no host reads until needed.
+
+    Args:
+        values: The differences (``None``: nothing was weighed).
+        order: Each entry's place among the parameters (the order of :attr:`TrainingState.names`).
+        what: Each entry's name, for a message.
+    """
+
+    values: Tensor | None
+    order: list[int]
+    what: list[str]
+
+    def largest(self) -> Tensor:
+        """The largest difference, on the device (no host sync); a NaN anywhere is NaN."""
+        return self.values.max() if self.values is not None else torch.zeros(())
+
+    def first_over(self, tolerance: float) -> tuple[int, str, float] | None:
+        """The first entry in the parameters' order over ``tolerance`` (or NaN): place, name, value (one host sync)."""
+        if self.values is None:
+            return None
+        found = zip(self.order, self.what, self.values.tolist(), strict=True)
+        over = [(i, what, value) for i, what, value in found if not value <= tolerance]
+        return min(over, key=lambda entry: entry[0]) if over else None
 
 
 @dataclass
@@ -51,6 +86,8 @@ class TrainingState:
     buffers: list[tuple[torch.nn.Module, str, Tensor, Tensor]] = field(default_factory=list)
     #: Each parameter, a copy of it, its gradient tensor and a copy of the gradient (accumulation adds to it).
     weights: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]] = field(default_factory=list)
+    #: Each parameter's name in the module, in the order of ``weights`` (a failed check names what disagreed).
+    names: list[str] = field(default_factory=list)
     optimizer_state: list[tuple[dict[str, Any], str, Any, Any]] = field(default_factory=list)
     tensors: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     generators: tuple[Any, ...] = ()
@@ -77,7 +114,8 @@ class TrainingState:
         state = cls(generators=(torch.get_rng_state(), random.getstate(), _numpy_state()))
         state.held = [(held, held.state()) for held in held_generators([module])]
         with torch.no_grad():
-            state.tensors = [(t, t.clone()) for t in extra]
+            state.tensors = list(zip(extra, _copies(extra), strict=True))
+            buffers: list[tuple[torch.nn.Module, str, Tensor]] = []
             for sub in module.modules():
                 if isinstance(sub, Metric):
                     saved = {name: _clone(getattr(sub, name)) for name in sub._defaults}
@@ -85,9 +123,9 @@ class TrainingState:
                     state.metrics.append((sub, saved))
                 plain = {k: v for k, v in vars(sub).items() if isinstance(v, _SCALARS)}
                 state.attributes.append((sub, plain))
-                for name, buffer in sub._buffers.items():
-                    if buffer is not None:
-                        state.buffers.append((sub, name, buffer, buffer.clone()))
+                buffers += [(sub, name, buffer) for name, buffer in sub._buffers.items() if buffer is not None]
+            copies = _copies([buffer for *_, buffer in buffers])
+            state.buffers = [(*held, copy) for held, copy in zip(buffers, copies, strict=True)]
             if optimizers is not None:
                 state._take_weights(module, optimizers)
         if device is not None and device.type == "cuda":
@@ -96,17 +134,25 @@ class TrainingState:
         return state
 
     def _take_weights(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        for p in module.parameters():
-            grad = p.grad
-            self.weights.append((p, p.detach().clone(), grad, None if grad is None else grad.detach().clone()))
+        named = list(module.named_parameters())  # what ``parameters()`` yields, in its order, with the names
+        self.names = [name for name, _ in named]
+        params = [p for _, p in named]
+        grads = [p.grad for p in params]
+        saved = _copies([p.detach() for p in params])
+        grad_copies = iter(_copies([g.detach() for g in grads if g is not None]))
+        self.weights = [
+            (p, w, g, None if g is None else next(grad_copies)) for p, w, g in zip(params, saved, grads, strict=True)
+        ]
+        held: list[tuple[dict[str, Any], str, Any]] = []
         for optimizer in optimizers:
-            for entry in optimizer.state.values():
-                for key, value in entry.items():
-                    self.optimizer_state.append((entry, key, value, _clone(value)))
+            held += [(entry, key, value) for entry in optimizer.state.values() for key, value in entry.items()]
             for group in optimizer.param_groups:
-                for key, value in group.items():
-                    if key != "params":
-                        self.optimizer_state.append((group, key, value, _clone(value)))
+                held += [(group, key, value) for key, value in group.items() if key != "params"]
+        tensors = iter(_copies([value for *_, value in held if isinstance(value, Tensor)]))
+        self.optimizer_state = [
+            (holder, key, value, next(tensors) if isinstance(value, Tensor) else _clone(value))
+            for holder, key, value in held
+        ]
 
     def restore(self) -> None:
         """Put everything back: in place where a graph may read the tensor, by rebinding where user code rebound it."""
@@ -118,20 +164,26 @@ class TrainingState:
                 for key, value in plain.items():
                     if sub.__dict__.get(key, value) is not value:
                         sub.__dict__[key] = value
-            for sub, name, buffer, saved in self.buffers:
-                buffer.copy_(saved)
-                sub._buffers[name] = buffer
+            # The tensors a graph may read are written back in place (a graph reads these very tensors).
+            targets = [buffer for _, _, buffer, _ in self.buffers] + [tensor for tensor, _ in self.tensors]
+            sources = [saved for *_, saved in self.buffers] + [saved for _, saved in self.tensors]
             for p, saved, grad, saved_grad in self.weights:
-                p.copy_(saved)
-                if grad is not None and saved_grad is not None:
-                    grad.copy_(saved_grad)  # a graph that accumulates adds into this very tensor
-                p.grad = grad
-            for holder, key, value, saved in self.optimizer_state:
+                targets.append(p)
+                sources.append(saved)
+                if grad is not None and saved_grad is not None:  # a graph that accumulates adds into this tensor
+                    targets.append(grad)
+                    sources.append(saved_grad)
+            for _, _, value, saved in self.optimizer_state:
                 if isinstance(value, Tensor):
-                    value.copy_(saved)  # the captured step reads this very tensor
+                    targets.append(value)
+                    sources.append(saved)
+            _copy_each(targets, sources)
+            for sub, name, buffer, _ in self.buffers:
+                sub._buffers[name] = buffer
+            for p, _, grad, _ in self.weights:
+                p.grad = grad
+            for holder, key, value, _ in self.optimizer_state:
                 holder[key] = value
-            for tensor, saved in self.tensors:
-                tensor.copy_(saved)
         torch.set_rng_state(self.generators[0])
         random.setstate(self.generators[1])
         _set_numpy_state(self.generators[2])
@@ -149,29 +201,40 @@ class TrainingState:
 
     def parameters_now(self) -> list[Tensor]:
         """The parameters as they are now (copies), in the order they were taken."""
-        return [p.detach().clone() for p, *_ in self.weights]
+        with torch.no_grad():
+            return _copies([p.detach() for p, *_ in self.weights])
 
     def gradients_now(self) -> list[Tensor | None]:
         """The parameters' gradients as they are now (copies), in the order they were taken."""
-        return [None if p.grad is None else p.grad.detach().clone() for p, *_ in self.weights]
+        grads = [p.grad for p, *_ in self.weights]
+        with torch.no_grad():
+            copies = iter(_copies([g.detach() for g in grads if g is not None]))
+        return [None if g is None else next(copies) for g in grads]
 
-    def gradient_error_of(self, other: list[Tensor | None], zeroed: bool) -> Tensor:
-        """Largest relative difference between the gradients in ``other`` and the ones the parameters hold (no sync).
+    def gradient_errors(self, other: list[Tensor | None], zeroed: bool) -> Differences:
+        """Relative differences between the gradients in ``other`` and the ones the parameters hold (no sync).
 
         Each is relative to what the step added to the gradient (all of it when the step ``zeroed`` them first). A
         gradient only one side has counts as infinitely off.
         """
-        errors = []
-        for (p, _, _, saved_grad), theirs in zip(self.weights, other, strict=True):
+        both: list[tuple[int, Tensor, Tensor, Tensor | None]] = []  # place, ours, theirs, ours before the step
+        missing: list[int] = []
+        for i, ((p, _, _, saved_grad), theirs) in enumerate(zip(self.weights, other, strict=True)):
             ours = p.grad
-            if ours is None or theirs is None:
-                if (ours is None) != (theirs is None):
-                    errors.append(torch.full((), float("inf"), device=p.device))
-                continue
-            now = ours.detach().float()
-            before = saved_grad.float() if saved_grad is not None and not zeroed else torch.zeros_like(now)
-            errors.append(_off_by(now, before, theirs.float()))
-        return torch.stack(errors).max() if errors else torch.zeros(())
+            if ours is not None and theirs is not None:
+                both.append((i, ours.detach(), theirs, None if zeroed else saved_grad))
+            elif (ours is None) != (theirs is None):
+                missing.append(i)
+        from_zero = [entry for entry in both if entry[3] is None]
+        added = [entry for entry in both if entry[3] is not None]
+        parts = [
+            _off_by_each([e[1] for e in from_zero], None, [e[2] for e in from_zero]),
+            _off_by_each([e[1] for e in added], [e[3] for e in added if e[3] is not None], [e[2] for e in added]),
+        ]
+        if missing:
+            parts.append(torch.full((len(missing),), float("inf"), device=self.weights[missing[0]][0].device))
+        order = [e[0] for e in from_zero] + [e[0] for e in added] + missing
+        return self._differences(parts, order, "gradient of ")
 
     def keep_gradient_buffers(self) -> None:
         """Point each parameter's ``.grad`` back at the tensor it had, holding the gradient it has now.
@@ -179,35 +242,118 @@ class TrainingState:
         An eager step between replays allocates new gradients; the captured step keeps writing the ones it was
         captured with, which are what user code should see after later replays.
         """
+        moved: list[tuple[Tensor, Tensor, Tensor]] = []  # the parameter, its graph's gradient, the one it has now
+        for p, _, grad, _ in self.weights:
+            now = p.grad
+            if grad is not None and now is not None and now is not grad and now.shape == grad.shape:
+                moved.append((p, grad, now))
         with torch.no_grad():
-            for p, _, grad, _ in self.weights:
-                if grad is not None and p.grad is not None and p.grad is not grad and p.grad.shape == grad.shape:
-                    grad.copy_(p.grad)
-                    p.grad = grad
+            _copy_each([grad for _, grad, _ in moved], [now for *_, now in moved])
+        for p, grad, _ in moved:
+            p.grad = grad
 
-    def update_error_of(self, other: list[Tensor]) -> Tensor:
-        """Largest relative difference between the update in ``other`` and the one the parameters got (no sync).
+    def update_errors(self, other: list[Tensor]) -> Differences:
+        """Relative differences between the update in ``other`` and the one each parameter got (no sync).
 
         ``other`` holds the parameters after another step from the same state (:meth:`parameters_now` then
         :meth:`restore`).
         """
-        errors = [
-            _off_by(p.detach().float(), before.float(), after.float())
-            for (p, before, *_), after in zip(self.weights, other, strict=True)
-            if p.is_floating_point()
-        ]
-        return torch.stack(errors).max() if errors else torch.zeros(())
+        if len(other) != len(self.weights):
+            raise ValueError(f"{len(other)} parameters to weigh against the {len(self.weights)} taken")
+        order = [i for i, (p, *_) in enumerate(self.weights) if p.is_floating_point()]
+        now = [self.weights[i][0].detach() for i in order]
+        before = [self.weights[i][1] for i in order]
+        return self._differences([_off_by_each(now, before, [other[i] for i in order])], order, "")
+
+    def update_error_of(self, other: list[Tensor]) -> Tensor:
+        """Largest relative difference between the update in ``other`` and the one the parameters got (no sync)."""
+        return self.update_errors(other).largest()
+
+    def _differences(self, parts: list[Tensor | None], order: list[int], prefix: str) -> Differences:
+        found = [part for part in parts if part is not None]
+        values = (found[0] if len(found) == 1 else torch.cat(found)) if found else None
+        names = [f"{prefix}{self.names[i]}" if i < len(self.names) else f"{prefix}parameter {i}" for i in order]
+        return Differences(values, order, names)
 
 
-def _off_by(now: Tensor, before: Tensor, other: Tensor) -> Tensor:
-    """How far ``other`` is from ``now``, relative to the step from ``before`` to ``now`` (no host sync).
+def _off_by_each(now: Sequence[Tensor], before: Sequence[Tensor] | None, other: Sequence[Tensor]) -> Tensor | None:
+    """How far each of ``other`` is from ``now``, relative to the step from ``before`` to ``now`` (no host sync).
 
     The step's own size is the scale, so a frozen hyperparameter or a wrong batch cannot hide behind the size of the
-    weights. A sharded tensor (FSDP2's DTensor) is weighed on this rank's shard; the ranks agree on the verdict.
+    weights (``before=None``: the step started from zero). A sharded tensor (FSDP2's DTensor) is weighed on this
+    rank's shard; the ranks agree on the verdict. The norms are fused over a chunk of tensors at a time, so the
+    temporaries stay one chunk large. ``None`` when there is nothing to weigh.
     """
-    now, before, other = _shard(now), _shard(before), _shard(other)
-    scale = (now - before).norm().clamp_min(1e-7 * before.norm() + 1e-12)
-    return (other - now).norm() / scale
+    if not now:
+        return None
+    steps: list[Tensor] = []
+    bases: list[Tensor] = []
+    offs: list[Tensor] = []
+    now = [_shard(t) for t in now]
+    for chunk in _chunks(now):
+        ours = [now[i].float() for i in chunk]  # in float32 as a whole, chunk by chunk
+        theirs = [_shard(other[i]).float() for i in chunk]
+        if before is None:
+            steps += torch._foreach_norm(ours)
+        else:
+            start = [_shard(before[i]).float() for i in chunk]
+            bases += torch._foreach_norm(start)
+            steps += torch._foreach_norm(torch._foreach_sub(ours, start))
+        offs += torch._foreach_norm(torch._foreach_sub(theirs, ours))
+    floor = 1e-7 * torch.stack(bases) + 1e-12 if bases else 1e-12
+    return torch.stack(offs) / torch.stack(steps).clamp_min(floor)
+
+
+def _chunks(tensors: Sequence[Tensor]) -> Iterator[range]:
+    """Consecutive runs of ``tensors`` of at most :data:`_CHUNK` elements each (a larger tensor runs alone)."""
+    start, size = 0, 0
+    for i, tensor in enumerate(tensors):
+        if size and size + tensor.numel() > _CHUNK:
+            yield range(start, i)
+            start, size = i, 0
+        size += tensor.numel()
+    if start < len(tensors):
+        yield range(start, len(tensors))
+
+
+def _fusable(tensor: Tensor) -> bool:
+    """Whether fused copies take ``tensor``: a plain dense one (a DTensor or a sparse tensor is copied alone)."""
+    return type(tensor) in (Tensor, Parameter) and tensor.layout == torch.strided
+
+
+def _copies(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Detached copies of ``tensors``: each allocated alone, all filled by one fused copy per device and dtype."""
+    copies = []
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+    for tensor in tensors:
+        if _fusable(tensor):
+            copy = torch.empty_like(tensor)
+            into, of = groups.setdefault((tensor.device, tensor.dtype), ([], []))
+            into.append(copy)
+            of.append(tensor)
+        else:
+            copy = tensor.clone()
+        copies.append(copy)
+    for into, of in groups.values():
+        torch._foreach_copy_(into, of)
+    return copies
+
+
+def _copy_each(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """``target.copy_(source)`` for each pair: one fused copy per device and dtypes, a DTensor or sparse one alone.
+
+    The fused copy copies a pair its fast path cannot take (other shapes or strides) alone, as ``copy_`` does.
+    """
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+    for target, source in zip(targets, sources, strict=True):
+        if _fusable(target) and _fusable(source):
+            into, of = groups.setdefault((target.device, target.dtype, source.dtype), ([], []))
+            into.append(target)
+            of.append(source)
+        else:
+            target.copy_(source)
+    for into, of in groups.values():
+        torch._foreach_copy_(into, of)
 
 
 def _numpy_state() -> Any:
