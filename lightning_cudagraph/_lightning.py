@@ -222,7 +222,7 @@ class GradToggles:
         >>> module = pl.LightningModule()
         >>> module.layer = torch.nn.Linear(2, 2)
         >>> toggles = GradToggles(module)
-        >>> module.layer.weight.requires_grad_(False) and None
+        >>> _ = module.layer.weight.requires_grad_(False)
         >>> toggles.restore()
         >>> module.layer.weight.requires_grad
         True

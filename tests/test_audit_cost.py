@@ -26,7 +26,7 @@ from lightning_cudagraph import CUDAGraphStrategy, Stage
 from lightning_cudagraph._graphs import step_replay
 from lightning_cudagraph._graphs.step_replay import StepReplays
 from lightning_cudagraph._options.config import CUDAGraphConfig
-from lightning_cudagraph._trust import snapshot
+from lightning_cudagraph._trust import fused
 from lightning_cudagraph._trust.cadence import FIRST_INTERVAL, GraphChecks
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph.health import CUDAGraphReport
@@ -121,7 +121,7 @@ def test_an_audit_reads_the_host_and_launches_per_tensor_work_no_more_often_for_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_comparison_weighs_each_parameter_as_the_formula_does(monkeypatch, chunk, dtype):
     """|theirs - now| / max(|now - before|, 1e-7 |before| + 1e-12), each in float32, from zero when no ``before``."""
-    monkeypatch.setattr(snapshot, "_CHUNK", chunk)
+    monkeypatch.setattr(fused, "CHUNK", chunk)
     torch.manual_seed(0)
     shapes = [(3, 5), (7,), (0,), (16, 4), (1,), (2, 2, 2)]
     before = [torch.randn(shape).to(dtype) for shape in shapes]
@@ -135,15 +135,15 @@ def test_the_fused_comparison_weighs_each_parameter_as_the_formula_does(monkeypa
         b = torch.zeros_like(n) if b is None else b.float()
         return float((t - n).norm() / (n - b).norm().clamp_min(1e-7 * b.norm() + 1e-12))
 
-    got = snapshot._off_by_each(now, before, theirs)
+    got = fused.off_by_each(now, before, theirs)
     assert got is not None
     want = [formula(n, b, t) for n, b, t in zip(now, before, theirs, strict=True)]
     assert got.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
-    from_zero = snapshot._off_by_each(now, None, theirs)
+    from_zero = fused.off_by_each(now, None, theirs)
     assert from_zero is not None
     want = [formula(n, None, t) for n, t in zip(now, theirs, strict=True)]
     assert from_zero.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
-    assert snapshot._off_by_each([], [], []) is None
+    assert fused.off_by_each([], [], []) is None
 
 
 def test_a_state_put_back_after_a_step_holds_every_tensor_as_it_was():

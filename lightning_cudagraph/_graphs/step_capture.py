@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._graphs.accumulation import GradientBinding, Position
+from lightning_cudagraph._graphs.step_optimizers import Schedule, schedule_moved
 from lightning_cudagraph._graphs.step_pieces import NonFiniteFlags, WholeStep
 from lightning_cudagraph._lightning import GradToggles, manual_optimizers, step_loss
 from lightning_cudagraph._options.batches import describe_batch_key
@@ -22,6 +23,13 @@ from lightning_cudagraph._trust.evidence import MetricUpdates
 from lightning_cudagraph._trust.observation import SKIP_FIX
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
+
+#: What a user can do about a value the whole step read that changes between steps.
+GUARD_FIX = (
+    "keep a value that changes in a device tensor the step reads (self.register_buffer('scale', torch.tensor(1.0),"
+    " persistent=False), then self.scale.fill_(...) between steps), or use a scoped level (strategy='cudagraph' or"
+    " scope=['layer']), which runs training_step's Python every step (docs/python.md)"
+)
 
 
 class StepCapture:
@@ -35,6 +43,7 @@ class StepCapture:
         self.backend, self.machine, self.flags = backend, machine, flags
         self._capturing: WholeStep | None = None
         self._manual = False  # whether the step being captured is a manual training_step
+        self._moved: str | None = None  # what the manual step captured last moved of the schedule
 
     @property
     def capturing(self) -> bool:
@@ -71,6 +80,7 @@ class StepCapture:
         # Under manual optimization training_step steps the optimizers: the loop hears of it at each replay instead.
         self._manual = not module.automatic_optimization
         manual = manual_optimizers(module.trainer) if self._manual else []
+        schedule = Schedule(module.trainer) if self._manual else None  # a manual step may move it inside the graph
 
         def body() -> None:  # what the graph holds; its Python runs while capturing only
             self._capturing = whole
@@ -90,6 +100,9 @@ class StepCapture:
             error = err
         finally:
             self.machine.report.capture_ms_total += (time.perf_counter() - started) * 1e3
+        self._moved = schedule.moved() if schedule is not None else None
+        if schedule is not None and self._moved is not None:
+            schedule.restore()
         if self.machine.agreement.all_ok(error is None):  # a rank whose capture worked drops it too
             return metrics
         if whole.graph is not None:
@@ -104,6 +117,17 @@ class StepCapture:
             error = error or RuntimeError("the capture failed on another rank")
             self.machine.rollback(capture_failure(error, module), error)
         return None
+
+    def refusal(
+        self, whole: WholeStep, position: Position, binding: GradientBinding, step: int, drawn: list[str]
+    ) -> str | None:
+        """The rollback reason of the capture that just ran, or ``None`` (:func:`refused_capture`).
+
+        A manual step that moved the schedule (stepped a scheduler, wrote a rate) is refused as well: its graph would
+        keep the rate the capture left.
+        """
+        found = refused_capture(whole, position, binding, step, drawn, self._manual)
+        return found or (schedule_moved(self._moved, step) if self._moved is not None else None)
 
     def release(self) -> None:
         """Nothing is being captured any more."""

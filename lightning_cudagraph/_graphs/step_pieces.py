@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 from lightning_cudagraph._backend.backend import StepGraph
 from lightning_cudagraph._graphs.accumulation import Place, Position
 from lightning_cudagraph._lightning import ManualUpdates, StepLogs
-from lightning_cudagraph._options.batches import copy_into
+from lightning_cudagraph._options.batches import copy_into, describe_batch_key
 
 
 @dataclass(eq=False)
@@ -109,6 +109,12 @@ class CaptureStep:
     window: StepWindow
     #: The micro-batch's place in its accumulation window.
     position: Position
+
+    def describe(self) -> str:
+        """The batch key, its place in the window and what it evicts, for the capture's message."""
+        where = f" ({self.position.describe()})" if self.position.accumulate > 1 else ""
+        evicted = f"; evicted batch {describe_batch_key(self.evicts)}" if self.evicts is not None else ""
+        return f"batch {describe_batch_key(self.key)}{where}{evicted}"
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torchmetrics import Metric
 
 from lightning_cudagraph._backend.backend import CaptureBackend
 from lightning_cudagraph._backend.compiling import CompiledModules, called_modules
 from lightning_cudagraph._backend.watchdog import ReplayWatchdog
 from lightning_cudagraph._graphs.accumulation import GradientBinding
 from lightning_cudagraph._graphs.base import Driver, LevelSettings
-from lightning_cudagraph._graphs.step_capture import StepCapture, metric_in_graph, refused_capture
-from lightning_cudagraph._graphs.step_optimizers import Schedule, StepOptimizers, schedule_moved
+from lightning_cudagraph._graphs.step_capture import GUARD_FIX, StepCapture, metric_in_graph
+from lightning_cudagraph._graphs.step_optimizers import StepOptimizers
 from lightning_cudagraph._graphs.step_pieces import (
     CaptureStep,
     EagerStep,
@@ -35,7 +34,6 @@ from lightning_cudagraph._graphs.step_pieces import (
 from lightning_cudagraph._graphs.step_planner import StepPlanner
 from lightning_cudagraph._graphs.step_replay import StepReplays, run_eagerly
 from lightning_cudagraph._lightning import accumulating
-from lightning_cudagraph._options.batches import describe_batch_key
 from lightning_cudagraph._options.config import CUDAGraphConfig
 from lightning_cudagraph._trust.cadence import GraphChecks
 from lightning_cudagraph._trust.evidence import StateWatch
@@ -46,13 +44,6 @@ from lightning_cudagraph._trust.shape_change import ShapeDecision
 from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.stages import StageMachine
 from lightning_cudagraph.health import Stage
-
-#: What a user can do about a value the whole step read that changes between steps.
-GUARD_FIX = (
-    "keep a value that changes in a device tensor the step reads (self.register_buffer('scale', torch.tensor(1.0),"
-    " persistent=False), then self.scale.fill_(...) between steps), or use a scoped level (strategy='cudagraph' or"
-    " scope=['layer']), which runs training_step's Python every step (docs/python.md)"
-)
 
 
 class WholeStepDriver(Driver):
@@ -121,11 +112,7 @@ class WholeStepDriver(Driver):
     def run(
         self, trainer: pl.Trainer, closure: Any, optimizer: torch.optim.Optimizer | None, run_step: Callable[[], Any]
     ) -> Any:
-        """Run the optimizer step as planned: eagerly, or captured then replayed.
-
-        Under manual optimization ``run_step`` is ``training_step`` itself (it steps the optimizers), with no
-        ``closure`` and no ``optimizer``.
-        """
+        """Run the optimizer step as planned: eagerly, or captured then replayed (manual: ``training_step`` itself)."""
         plan, self._plan = self._plan, None
         if plan is not None and not isinstance(plan, EagerStep) and accumulating(trainer) == plan.position.place.steps:
             plan = EagerStep(fallback=f"accumulation: the loop did not run the planned {plan.position.describe()}")
@@ -195,20 +182,13 @@ class WholeStepDriver(Driver):
         if optimizer is not None:
             self.optimizers.prepare(optimizer)
         self.optimizers.refresh()  # a rate written as a number since the last step is the graph's input, not a constant
-        manual, step = not module.automatic_optimization, module.trainer.global_step
-        schedule = Schedule(module.trainer) if manual else None  # a manual step may move it inside the graph
         self.before_capture()
         started = time.perf_counter()
         metrics = self.capture.capture(whole, run_step, module, before)
-        moved = schedule.moved() if schedule is not None else None
-        if schedule is not None and moved is not None:
-            schedule.restore()
         if metrics is None:
             self.binding.forget()
             return False
-        refusal = refused_capture(whole, plan.position, self.binding, step, before.drawn(), manual)
-        if refusal is None and moved is not None:
-            refusal = schedule_moved(moved, step)
+        refusal = self.capture.refusal(whole, plan.position, self.binding, module.trainer.global_step, before.drawn())
         if refusal is not None:
             whole.reset()
             before.restore()
@@ -230,14 +210,9 @@ class WholeStepDriver(Driver):
         self.optimizers.captured()  # what this graph bakes in
         whole.confirm_left = self.checks.captured()
         if first:  # later shapes must read the same tensors: a rebind in between is caught, not re-watched
-            inside = [(name, m, None) for name, m in module.named_modules() if name and not isinstance(m, Metric)]
             guards = GuardSet("the whole step", list(module.named_modules()), module, GUARD_FIX, clipping=True)
-            self.state.watch((*module.named_parameters(), *module.named_buffers()), inside, guards)
-        evicted = f"; evicted batch {describe_batch_key(plan.evicts)}" if plan.evicts is not None else ""
-        where = f" ({plan.position.describe()})" if plan.position.accumulate > 1 else ""
-        rank_zero_info(
-            f"{self.component}: captured the whole step for batch {describe_batch_key(plan.key)}{where}{evicted}"
-        )
+            self.state.watch_module(module, guards)
+        rank_zero_info(f"{self.component}: captured the whole step for {plan.describe()}")
         return True
 
     def run_training_step(self, trainer: pl.Trainer, run_step: Callable[[], Any]) -> Any:

@@ -87,9 +87,9 @@ def check_trainer(config: CUDAGraphConfig, trainer: pl.Trainer, module: pl.Light
             "automatic_optimization",
             False,
             "manual optimization with scope=['full_iteration'] on one device (a single-device strategy)",
-            f"{type(trainer.strategy).__name__} runs several processes, where a manual whole step is not supported yet;"
-            f" train on one device, use automatic optimization, or {instead_of_the_whole_step(trainer, ['attn', 'mlp'])}"
-            f"{keeps}",
+            f"{type(trainer.strategy).__name__} runs several processes, where a manual whole step is not supported"
+            " yet; train on one device, use automatic optimization, or"
+            f" {instead_of_the_whole_step(trainer, ['attn', 'mlp'])}{keeps}",
         )
 
 

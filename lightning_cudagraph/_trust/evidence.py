@@ -80,6 +80,11 @@ class StateWatch:
         self._sizes = 0
         self.guards: GuardSet | None = None
 
+    def watch_module(self, module: torch.nn.Module, guards: GuardSet | None = None) -> None:
+        """:meth:`watch` every parameter and buffer of ``module``, and its submodules (torchmetrics metrics aside)."""
+        inside = [(name, sub, None) for name, sub in module.named_modules() if name and not isinstance(sub, Metric)]
+        self.watch((*module.named_parameters(), *module.named_buffers()), inside, guards)
+
     def watch(
         self,
         named_tensors: Iterable[tuple[str, Tensor]],

@@ -16,7 +16,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_cudagraph._trust.snapshot import Differences, TrainingState
+from lightning_cudagraph._trust.fused import Differences
+from lightning_cudagraph._trust.snapshot import TrainingState
 from lightning_cudagraph._trust.tolerance import step_tolerance
 
 

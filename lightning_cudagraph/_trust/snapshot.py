@@ -5,30 +5,25 @@ and may have rebound its states to tensors in the graph's pool, a counter moved,
 changes the parameters and the optimizer too, and a generator the step draws from (the global ones, and those kept on
 the module or a submodule) has drawn once more. Putting it all back makes the step run exactly once.
 
-Copies, restores and the comparison of a shadow step run as fused (``torch._foreach_*``) operations over all the
-tensors of one device and dtype: a handful of kernels, not a few per parameter, and no host sync.
+Copies, restores and the comparison of a shadow step run as fused operations (:mod:`lightning_cudagraph._trust.fused`).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn import Parameter
 from torchmetrics import Metric
 
+from lightning_cudagraph._trust.fused import Differences, copies, copy_each, off_by_each
 from lightning_cudagraph._trust.generators import HeldGenerator, held_generators
 
 _SCALARS = (bool, int, float, str, type(None))
 #: Python-side bookkeeping of a torchmetrics ``Metric`` besides its registered states.
 _METRIC_FIELDS = ("_update_count", "_computed", "_forward_cache")
-#: Elements of one fused pass of a comparison (1 MiB in float32): its temporaries stay this size, and in cache, unless
-#: one tensor is larger (that tensor is then a pass of its own).
-_CHUNK = 1 << 18
 
 
 def _clone(value: Any) -> Any:
@@ -37,33 +32,6 @@ def _clone(value: Any) -> Any:
     if isinstance(value, list):
         return [_clone(v) for v in value]
     return value
-
-
-@dataclass(frozen=True)
-class Differences:
-    """Differences from eager, one per parameter (or gradient), in a device vector that no host reads until needed.
-
-    Args:
-        values: The differences (``None``: nothing was weighed).
-        order: Each entry's place among the parameters (the order of :attr:`TrainingState.names`).
-        what: Each entry's name, for a message.
-    """
-
-    values: Tensor | None
-    order: list[int]
-    what: list[str]
-
-    def largest(self) -> Tensor:
-        """The largest difference, on the device (no host sync); a NaN anywhere is NaN."""
-        return self.values.max() if self.values is not None else torch.zeros(())
-
-    def first_over(self, tolerance: float) -> tuple[int, str, float] | None:
-        """The first entry in the parameters' order over ``tolerance`` (or NaN): place, name, value (one host sync)."""
-        if self.values is None:
-            return None
-        found = zip(self.order, self.what, self.values.tolist(), strict=True)
-        over = [(i, what, value) for i, what, value in found if not value <= tolerance]
-        return min(over, key=lambda entry: entry[0]) if over else None
 
 
 @dataclass
@@ -114,7 +82,7 @@ class TrainingState:
         state = cls(generators=(torch.get_rng_state(), random.getstate(), _numpy_state()))
         state.held = [(held, held.state()) for held in held_generators([module])]
         with torch.no_grad():
-            state.tensors = list(zip(extra, _copies(extra), strict=True))
+            state.tensors = list(zip(extra, copies(extra), strict=True))
             buffers: list[tuple[torch.nn.Module, str, Tensor]] = []
             for sub in module.modules():
                 if isinstance(sub, Metric):
@@ -124,8 +92,8 @@ class TrainingState:
                 plain = {k: v for k, v in vars(sub).items() if isinstance(v, _SCALARS)}
                 state.attributes.append((sub, plain))
                 buffers += [(sub, name, buffer) for name, buffer in sub._buffers.items() if buffer is not None]
-            copies = _copies([buffer for *_, buffer in buffers])
-            state.buffers = [(*held, copy) for held, copy in zip(buffers, copies, strict=True)]
+            buffer_copies = copies([buffer for *_, buffer in buffers])
+            state.buffers = [(*held, copy) for held, copy in zip(buffers, buffer_copies, strict=True)]
             if optimizers is not None:
                 state._take_weights(module, optimizers)
         if device is not None and device.type == "cuda":
@@ -138,8 +106,8 @@ class TrainingState:
         self.names = [name for name, _ in named]
         params = [p for _, p in named]
         grads = [p.grad for p in params]
-        saved = _copies([p.detach() for p in params])
-        grad_copies = iter(_copies([g.detach() for g in grads if g is not None]))
+        saved = copies([p.detach() for p in params])
+        grad_copies = iter(copies([g.detach() for g in grads if g is not None]))
         self.weights = [
             (p, w, g, None if g is None else next(grad_copies)) for p, w, g in zip(params, saved, grads, strict=True)
         ]
@@ -148,7 +116,7 @@ class TrainingState:
             held += [(entry, key, value) for entry in optimizer.state.values() for key, value in entry.items()]
             for group in optimizer.param_groups:
                 held += [(group, key, value) for key, value in group.items() if key != "params"]
-        tensors = iter(_copies([value for *_, value in held if isinstance(value, Tensor)]))
+        tensors = iter(copies([value for *_, value in held if isinstance(value, Tensor)]))
         self.optimizer_state = [
             (holder, key, value, next(tensors) if isinstance(value, Tensor) else _clone(value))
             for holder, key, value in held
@@ -177,7 +145,7 @@ class TrainingState:
                 if isinstance(value, Tensor):
                     targets.append(value)
                     sources.append(saved)
-            _copy_each(targets, sources)
+            copy_each(targets, sources)
             for sub, name, buffer, _ in self.buffers:
                 sub._buffers[name] = buffer
             for p, _, grad, _ in self.weights:
@@ -202,14 +170,14 @@ class TrainingState:
     def parameters_now(self) -> list[Tensor]:
         """The parameters as they are now (copies), in the order they were taken."""
         with torch.no_grad():
-            return _copies([p.detach() for p, *_ in self.weights])
+            return copies([p.detach() for p, *_ in self.weights])
 
     def gradients_now(self) -> list[Tensor | None]:
         """The parameters' gradients as they are now (copies), in the order they were taken."""
         grads = [p.grad for p, *_ in self.weights]
         with torch.no_grad():
-            copies = iter(_copies([g.detach() for g in grads if g is not None]))
-        return [None if g is None else next(copies) for g in grads]
+            taken = iter(copies([g.detach() for g in grads if g is not None]))
+        return [None if g is None else next(taken) for g in grads]
 
     def gradient_errors(self, other: list[Tensor | None], zeroed: bool) -> Differences:
         """Relative differences between the gradients in ``other`` and the ones the parameters hold (no sync).
@@ -228,8 +196,8 @@ class TrainingState:
         from_zero = [entry for entry in both if entry[3] is None]
         added = [entry for entry in both if entry[3] is not None]
         parts = [
-            _off_by_each([e[1] for e in from_zero], None, [e[2] for e in from_zero]),
-            _off_by_each([e[1] for e in added], [e[3] for e in added if e[3] is not None], [e[2] for e in added]),
+            off_by_each([e[1] for e in from_zero], None, [e[2] for e in from_zero]),
+            off_by_each([e[1] for e in added], [e[3] for e in added if e[3] is not None], [e[2] for e in added]),
         ]
         if missing:
             parts.append(torch.full((len(missing),), float("inf"), device=self.weights[missing[0]][0].device))
@@ -248,7 +216,7 @@ class TrainingState:
             if grad is not None and now is not None and now is not grad and now.shape == grad.shape:
                 moved.append((p, grad, now))
         with torch.no_grad():
-            _copy_each([grad for _, grad, _ in moved], [now for *_, now in moved])
+            copy_each([grad for _, grad, _ in moved], [now for *_, now in moved])
         for p, grad, _ in moved:
             p.grad = grad
 
@@ -263,7 +231,7 @@ class TrainingState:
         order = [i for i, (p, *_) in enumerate(self.weights) if p.is_floating_point()]
         now = [self.weights[i][0].detach() for i in order]
         before = [self.weights[i][1] for i in order]
-        return self._differences([_off_by_each(now, before, [other[i] for i in order])], order, "")
+        return self._differences([off_by_each(now, before, [other[i] for i in order])], order, "")
 
     def update_error_of(self, other: list[Tensor]) -> Tensor:
         """Largest relative difference between the update in ``other`` and the one the parameters got (no sync)."""
@@ -274,86 +242,6 @@ class TrainingState:
         values = (found[0] if len(found) == 1 else torch.cat(found)) if found else None
         names = [f"{prefix}{self.names[i]}" if i < len(self.names) else f"{prefix}parameter {i}" for i in order]
         return Differences(values, order, names)
-
-
-def _off_by_each(now: Sequence[Tensor], before: Sequence[Tensor] | None, other: Sequence[Tensor]) -> Tensor | None:
-    """How far each of ``other`` is from ``now``, relative to the step from ``before`` to ``now`` (no host sync).
-
-    The step's own size is the scale, so a frozen hyperparameter or a wrong batch cannot hide behind the size of the
-    weights (``before=None``: the step started from zero). A sharded tensor (FSDP2's DTensor) is weighed on this
-    rank's shard; the ranks agree on the verdict. The norms are fused over a chunk of tensors at a time, so the
-    temporaries stay one chunk large. ``None`` when there is nothing to weigh.
-    """
-    if not now:
-        return None
-    steps: list[Tensor] = []
-    bases: list[Tensor] = []
-    offs: list[Tensor] = []
-    now = [_shard(t) for t in now]
-    for chunk in _chunks(now):
-        ours = [now[i].float() for i in chunk]  # in float32 as a whole, chunk by chunk
-        theirs = [_shard(other[i]).float() for i in chunk]
-        if before is None:
-            steps += torch._foreach_norm(ours)
-        else:
-            start = [_shard(before[i]).float() for i in chunk]
-            bases += torch._foreach_norm(start)
-            steps += torch._foreach_norm(torch._foreach_sub(ours, start))
-        offs += torch._foreach_norm(torch._foreach_sub(theirs, ours))
-    floor = 1e-7 * torch.stack(bases) + 1e-12 if bases else 1e-12
-    return torch.stack(offs) / torch.stack(steps).clamp_min(floor)
-
-
-def _chunks(tensors: Sequence[Tensor]) -> Iterator[range]:
-    """Consecutive runs of ``tensors`` of at most :data:`_CHUNK` elements each (a larger tensor runs alone)."""
-    start, size = 0, 0
-    for i, tensor in enumerate(tensors):
-        if size and size + tensor.numel() > _CHUNK:
-            yield range(start, i)
-            start, size = i, 0
-        size += tensor.numel()
-    if start < len(tensors):
-        yield range(start, len(tensors))
-
-
-def _fusable(tensor: Tensor) -> bool:
-    """Whether fused copies take ``tensor``: a plain dense one (a DTensor or a sparse tensor is copied alone)."""
-    return type(tensor) in (Tensor, Parameter) and tensor.layout == torch.strided
-
-
-def _copies(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Detached copies of ``tensors``: each allocated alone, all filled by one fused copy per device and dtype."""
-    copies = []
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
-    for tensor in tensors:
-        if _fusable(tensor):
-            copy = torch.empty_like(tensor)
-            into, of = groups.setdefault((tensor.device, tensor.dtype), ([], []))
-            into.append(copy)
-            of.append(tensor)
-        else:
-            copy = tensor.clone()
-        copies.append(copy)
-    for into, of in groups.values():
-        torch._foreach_copy_(into, of)
-    return copies
-
-
-def _copy_each(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
-    """``target.copy_(source)`` for each pair: one fused copy per device and dtypes, a DTensor or sparse one alone.
-
-    The fused copy copies a pair its fast path cannot take (other shapes or strides) alone, as ``copy_`` does.
-    """
-    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
-    for target, source in zip(targets, sources, strict=True):
-        if _fusable(target) and _fusable(source):
-            into, of = groups.setdefault((target.device, target.dtype, source.dtype), ([], []))
-            into.append(target)
-            of.append(source)
-        else:
-            target.copy_(source)
-    for into, of in groups.values():
-        torch._foreach_copy_(into, of)
 
 
 def _numpy_state() -> Any:
@@ -369,8 +257,3 @@ def _set_numpy_state(state: Any) -> None:
         import numpy
 
         numpy.random.set_state(state)
-
-
-def _shard(tensor: Tensor) -> Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
