@@ -38,11 +38,11 @@ class ModelParallelCUDAGraphStrategy(CUDAGraphStrategyBase, ModelParallelStrateg
     Args:
         impl: ``"local"`` (PyTorch graphs), ``"transformer_engine"`` (Transformer Engine graphs, FP8-aware) or
             ``"none"`` (everything off: the fit trains eagerly, whatever the other options say).
-        scope: ``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package's
-            strategies, the whole step; keep the fastest that works), or a list from ``full_iteration, attn, mlp, moe,
-            moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a comma-separated string works too:
-            ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs ``CUDAGraphStrategy`` or
-            ``DDPCUDAGraphStrategy``.
+        scope: ``"auto"`` (try the levels from the widest down: with one of the package's strategies the whole step,
+            then ``model``, ``layer``, ``attn+mlp`` and ``attn``; keep the first that works and is faster than eager
+            training), or a list from ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and
+            the keys of ``modules`` (a comma-separated string works too: ``"attn,mlp"``). ``full_iteration`` captures
+            the whole training step and needs ``CUDAGraphStrategy`` or ``DDPCUDAGraphStrategy``.
         warmup_steps: Eager optimizer steps before capture (at least one step always runs eagerly; at least 11 for
             ``full_iteration`` under DDP).
         modules: Per-scope selectors that override the built-in patterns, or define new scopes: a glob on qualified

@@ -197,7 +197,7 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_trust/snapshot.py",
-        "                p.copy_(saved)\n",
+        "                targets.append(p)\n                sources.append(saved)\n",
         "",
         "a shadow step keeps the graph's update as well as the eager one: the audited step trains twice",
         "tests/test_lifecycle_full.py::test_whole_step_is_captured_confirmed_replayed_and_its_logs_stay_true",
@@ -534,9 +534,9 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_options/levels.py",
-        "    return [*tried[:1], *reversed(tried[1:])]",
+        "    return tried[::-1]",
         "    return tried",
-        "scope='auto' climbs narrowest-first instead of trying the widest level next",
+        "scope='auto' walks narrowest-first instead of trying the widest level first",
         "tests/test_ladder.py",
     ),
     m(
@@ -658,7 +658,7 @@ MUTATIONS: list[Mutation] = [
     ),
     m(
         "_graphs/step_capture.py",
-        "    if step_loss(whole.output) is None:",
+        "    if not manual and step_loss(whole.output) is None:",
         "    if False:",
         "a whole step captured on a skipped batch replays a step that trains nothing, reported as replaying",
         P + "test_a_whole_step_captured_on_a_skipped_batch_is_refused_at_capture",
@@ -1370,9 +1370,9 @@ MUTATIONS: list[Mutation] = [
         "::test_a_whole_step_capture_that_fails_between_the_toggles_gives_the_parameters_back",
     ),
     m(
-        "_graphs/whole_step.py",
-        "        if refusal is None and moved is not None:\n",
-        "        if False:\n",
+        "_graphs/step_capture.py",
+        "        return found or (schedule_moved(self._moved, step) if self._moved is not None else None)\n",
+        "        return found\n",
         "a scheduler stepped inside a captured manual step is not refused (the replays keep the captured rate)",
         "tests/test_manual_optimization.py"
         "::test_a_scheduler_stepped_inside_a_manual_step_is_refused_and_its_fix_replays_as_eager",
@@ -1383,6 +1383,13 @@ MUTATIONS: list[Mutation] = [
         "    if False:\n",
         "a captured manual step that stepped no optimizer is replayed (every replay trains nothing)",
         "tests/test_manual_optimization.py::test_a_manual_step_that_steps_no_optimizer_at_its_capture_is_refused",
+    ),
+    m(
+        "_trust/fused.py",
+        "    return torch.stack(offs) / torch.stack(steps).clamp_min(floor)\n",
+        "    return torch.stack(offs) * 0\n",
+        "the fused comparison sees no difference: every shadow step and audit passes a wrong graph",
+        "tests/test_trust.py::test_the_audit_catches_a_graph_that_goes_wrong_in_the_steady_state",
     ),
 ]
 

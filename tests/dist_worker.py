@@ -65,8 +65,8 @@ TINY_BOUND_S = 0.01
 SLOW_REPLAY_S = 0.2
 #: Eager steps before the first capture of a scoped case.
 WARMUP = 2
-#: ``scope="auto"``: warmup, then per scoped level capture and parity, one graphed confirmation step and the timed
-#: steps; the whole step's eager steps up to NCCL's 11 are long done by the time the climb reaches it.
+#: ``scope="auto"``: the whole step first, after NCCL's 11 eager steps, then per scoped level capture and parity, one
+#: graphed confirmation step and the timed steps.
 AUTO_STEPS = WARMUP + 5 * (1 + MAX_MEASURE_STEPS) + 4
 
 

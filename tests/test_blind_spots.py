@@ -363,23 +363,28 @@ def auto(backend: FakeBackend, **options) -> CUDAGraphStrategy:
 
 def test_a_slow_first_step_does_not_make_a_level_slower_than_eager_look_faster_in_a_short_fit():
     # Warmup, the first level's capture and confirmation, its first step on graphs (untimed), its timed steps, one
-    # more: too short for the eager reference steps, so the warmup steps give the baseline, the first left out.
+    # more: too short for the eager reference steps, so the warmup steps give the baseline, the first left out (the
+    # whole step, the first level tried, runs none anyway).
     steps = WARMUP + 2 + 1 + MEASURE_STEPS + 1
     assert reference_steps(steps - WARMUP, accumulate=1, confirm_steps=2) == 0
     clock = Clock(first=100.0, eager=10.0, graphed=10.0 * (1 + MARGIN))  # every level a little slower than eager
     run = fit(*decoder(TINY), steps, strategy=auto(FakeBackend(step_ms=clock)), **CPU)
     report = graph_callback(run.trainer).report
     assert report.eager_step_ms == clock.eager
-    first = report.ladder[0]
+    first = report.ladder[-1]  # the whole step: the walk tries the widest level first
+    assert first.level == "full_iteration", report.ladder
     assert first.step_ms == clock.graphed and first.status == "slower", report.ladder
 
 
 def test_a_settled_level_is_checked_against_eager_steps_timed_beside_it_not_the_eager_time_before_capture():
     # Eager training runs at 10 ms before the first capture and at 2.5 ms after it (a host that warmed up): the
-    # settled level, at 4 ms, wins against the first figure and loses against eager training beside it.
+    # settled level, at 4 ms, wins against the first figure and loses against eager training beside it. Through the
+    # callback the walk starts at a scoped level (the model's), whose replays eager steps run between.
     clock = Clock(first=10.0, eager=10.0, graphed=4.0, eager_after_capture=2.5)
     steps = WARMUP + REFERENCE_STEPS + 5 * (2 + MAX_MEASURE_STEPS) + 2 * CHECK_STEPS
-    run = fit(*decoder(TINY), steps, strategy=auto(FakeBackend(step_ms=clock)), **CPU)
+    callback = CUDAGraphCallback(warmup_steps=WARMUP)
+    callback.capture_backend = FakeBackend(step_ms=clock)
+    run = fit(*decoder(TINY), steps, [callback], **CPU)
     report = graph_callback(run.trainer).report
     assert report.eager_step_ms == clock.eager
     assert any("steady state" in (row.reason or "") for row in report.ladder), report.ladder
@@ -507,10 +512,10 @@ def test_a_layer_with_a_backward_pre_hook_inside_stays_eager_and_the_fit_trains_
     eager = fit(*decoder(TINY), STEPS, [hook()], **CPU)
     if level == "layer":
         run = fit(*decoder(TINY), STEPS, [hook(), layers()], **CPU)
-    else:
-        strategy = CUDAGraphStrategy(warmup_steps=WARMUP)
-        strategy.capture_backend = FakeBackend(step_ms=timed_by_level(LEVEL_MS))
-        run = fit(*decoder(TINY), STEPS, [hook()], strategy=strategy, **CPU)
+    else:  # through the callback: the scoped levels are walked (a strategy tries the whole step first)
+        callback = CUDAGraphCallback(warmup_steps=WARMUP)
+        callback.capture_backend = FakeBackend(step_ms=timed_by_level(LEVEL_MS))
+        run = fit(*decoder(TINY), STEPS, [hook(), callback], **CPU)
     report = graph_callback(run.trainer).report
     assert run.losses == pytest.approx(eager.losses, abs=ROUNDING)
     assert max_param_diff(eager.params, run.params) < 1e-4, "a replayed backward ran without the hook"

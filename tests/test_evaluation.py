@@ -363,8 +363,11 @@ def test_parameters_rebound_between_validations_are_captured_again(tmp_path):
     assert val_losses(run) == pytest.approx(val_losses(eager), abs=1e-6)
 
 
-def test_under_scope_auto_evaluation_waits_for_the_ladder_then_follows_the_whole_step(tmp_path):
-    from tests.test_ladder import STEPS, auto_strategy, timed
+@pytest.mark.parametrize("through", ["strategy", "callback"])
+def test_under_scope_auto_evaluation_follows_the_whole_step_at_once_and_waits_for_a_scoped_level_to_settle(through):
+    # The walk tries the widest level first: the whole step through the strategy, the model's regions through the
+    # callback. A scoped level's evaluation graphs wait until the walk keeps it.
+    from tests.test_ladder import STEPS, auto_callback, auto_strategy, timed
 
     backend = timed()
     reasons: list[tuple[str | None, str | None]] = []
@@ -374,10 +377,11 @@ def test_under_scope_auto_evaluation_waits_for_the_ladder_then_follows_the_whole
             evaluation = graph_callback(trainer).report.evaluation
             reasons.append((evaluation.mode, evaluation.reason))
 
+    graphs = {"strategy": auto_strategy(backend)} if through == "strategy" else {"callbacks": [auto_callback(backend)]}
     run = trainer(
         STEPS,
-        callbacks=[Reasons()],
-        strategy=auto_strategy(backend),
+        callbacks=[Reasons(), *graphs.get("callbacks", [])],
+        strategy=graphs.get("strategy", "auto"),
         limit_val_batches=3,
         val_check_interval=4,
         check_val_every_n_epoch=None,
@@ -385,9 +389,13 @@ def test_under_scope_auto_evaluation_waits_for_the_ladder_then_follows_the_whole
     )
     run.fit(*decoder(TINY, **VAL))
     report = graph_callback(run).report
-    assert report.level == "full_iteration"
-    assert (
+    if through == "strategy":
+        assert report.level == "full_iteration"
+        assert set(reasons) == {("whole_step", None)} and report.evaluation.captures == 1, reasons
+        return
+    assert report.level == "model"
+    assert reasons[0] == (
         "eager",
         "scope='auto' has not settled on a level yet (evaluation graphs follow the level training keeps)",
-    ) in (reasons)
-    assert reasons[-1] == ("whole_step", None) and report.evaluation.captures == 1
+    )
+    assert reasons[-1] == ("regions", None), reasons

@@ -1,4 +1,4 @@
-"""``scope="auto"`` 's ladder on a CPU: levels found per layout, the climb's decisions, narrowing, the memory budget.
+"""``scope="auto"`` 's ladder on a CPU: levels found per layout, the walk's decisions, narrowing, the memory budget.
 
 The fake backend reports a step time per level (from the regions or step graph alive at the end of each step), so
 every decision of the climb is exercised with times the test chooses; capture and replay run through the package's
@@ -21,6 +21,7 @@ from lightning_cudagraph._options.levels import Level, build_levels
 from lightning_cudagraph._rollout.ladder import (
     CHECK_STEPS,
     EAGER,
+    FAR,
     MARGIN,
     MAX_MEASURE_STEPS,
     MEASURE_STEPS,
@@ -40,7 +41,7 @@ from tests.helpers import (
     timed_by_level,
     trainer,
 )
-from tests.models import TINY, DecoderModule, MoEDecoderModule, decoder
+from tests.models import TINY, TINY_DATA, Decoder, DecoderModule, MoEDecoderModule, decoder
 
 CPU = {"accelerator": "cpu", "devices": 1}
 WARMUP = 2
@@ -48,8 +49,10 @@ WARMUP = 2
 STEPS_PER_LEVEL = 2 + MEASURE_STEPS
 #: Enough for the eager reference, every level timed as long as a close call takes, and the steady-state check.
 STEPS = WARMUP + REFERENCE_STEPS + 5 * (1 + MAX_MEASURE_STEPS) + CHECK_STEPS + 4
-#: The ``model`` level's time when a test is about the levels below it: not faster than ``attn`` by the margin.
-NOT_FASTER = LEVEL_MS["attn"] * (1 - MARGIN / 2)
+#: A level's time when a test is about the levels below it: not faster than eager training by the margin.
+NOT_FASTER = LEVEL_MS["eager"] * (1 - MARGIN / 2)
+#: Why the walk skips the levels narrower than the one it kept.
+HOLDS_ITS_WORK = "{!r} was confirmed faster and holds its work"
 
 
 def timed(**ms: float) -> FakeBackend:
@@ -106,37 +109,62 @@ def test_custom_scopes_join_every_scoped_level():
     assert all("model.head" in [t.name for t in level.targets] for level in levels[:3])
 
 
-# ---------------------------------------------------------------------------------------------- the climb
-def test_the_callback_climbs_from_attention_to_whole_layers_and_skips_the_level_between(tmp_path):
-    backend = timed(model=NOT_FASTER)
+# ---------------------------------------------------------------------------------------------- the walk
+def test_through_the_strategy_the_walk_tries_the_whole_step_first_and_settles_on_it():
+    backend = timed()
     eager = fit(*decoder(TINY), STEPS, **CPU)
-    callback = auto_callback(backend)
-    run = fit(*decoder(TINY), STEPS, [callback], logger=CSVLogger(tmp_path), log_every_n_steps=1, **CPU)
+    run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
 
-    report = callback.report
+    report = graph_callback(run.trainer).report
     assert ladder(report) == [
-        ("attn", "slower"),
+        ("attn", "skipped"),
         ("attn+mlp", "skipped"),
-        ("layer", "kept"),
-        ("model", "slower"),
+        ("layer", "skipped"),
+        ("model", "skipped"),
+        ("full_iteration", "kept"),
+    ]
+    assert all(row.reason == HOLDS_ITS_WORK.format("full_iteration") for row in report.ladder[:4])
+    assert [row.level for row in report.ladder if row.steps or row.capture_ms] == ["full_iteration"]
+    assert backend.regions == [] and backend.pools == 1, "no scoped level was ever captured"
+    assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration")
+    assert backend.step_graphs and backend.step_graphs[-1].replays > 0
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert all(optimizer.restored for optimizer in backend.optimizers)
+
+
+class _HookedModel(DecoderModule):
+    """A forward hook on the network: preflight refuses the whole step (it would run the hook once, at capture)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+        self.model.register_forward_hook(self._count)
+
+    def _count(self, module, args, output) -> None:
+        self.calls += 1
+
+
+def test_a_whole_step_refused_by_preflight_starts_the_walk_at_the_widest_level_left():
+    backend = timed()
+    eager = fit(*decoder(TINY, _HookedModel), STEPS, **CPU)
+    run = fit(*decoder(TINY, _HookedModel), STEPS, strategy=auto_strategy(backend), **CPU)
+
+    report = graph_callback(run.trainer).report
+    assert ladder(report) == [
+        ("attn", "skipped"),
+        ("attn+mlp", "skipped"),
+        ("layer", "skipped"),
+        ("model", "kept"),
         ("full_iteration", "skipped"),
     ]
-    assert report.ladder[1].reason == "'layer' was confirmed faster and holds its work"
-    assert report.ladder[1].steps == 0 and report.ladder[1].capture_ms == 0, "the level between was never tried"
-    assert "Trainer(strategy='cudagraph')" in report.ladder[-1].reason
-    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
-    assert [report.ladder[i].step_ms for i in (0, 2)] == [LEVEL_MS["attn"], LEVEL_MS["layer"]]
-    assert all(report.ladder[i].steps >= STEPS_PER_LEVEL for i in (0, 2))
-    assert report.capture_ms_total >= sum(row.capture_ms for row in report.ladder) > 0
-    assert backend.pools == 3, "each level tried captures into a pool of its own"
+    assert "carry hooks" in report.ladder[-1].reason, report.ladder[-1].reason
+    assert [region.name for region in backend.regions] == ["model"], "the model level was the first captured"
+    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "model", 0)
+    assert run.model.calls == eager.model.calls == STEPS, "the region's own hook fires around every replay"
     assert_losses_close(eager.losses, run.losses, 1e-5)
-    assert patched_forwards(run.model) == [] and backend.live_graphs == 0
-    with open(f"{run.trainer.logger.log_dir}/metrics.csv") as handle:
-        levels = [float(row["cudagraph/level"]) for row in csv.DictReader(handle) if row.get("cudagraph/level")]
-    assert levels[0] == 1.0 and levels[-1] == 3.0 and 3.5 in levels, "cudagraph/level follows the climb"
 
 
-def test_the_callback_climbs_from_attention_to_the_models_submodules_with_the_loss_and_optimizer_eager():
+def test_the_callback_tries_the_models_submodules_first_with_the_loss_and_optimizer_eager():
     backend = timed()
     eager = fit(*decoder(TINY), STEPS, **CPU)
     callback = auto_callback(backend)
@@ -144,38 +172,62 @@ def test_the_callback_climbs_from_attention_to_the_models_submodules_with_the_lo
 
     report = callback.report
     assert ladder(report) == [
-        ("attn", "slower"),
+        ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
         ("model", "kept"),
         ("full_iteration", "skipped"),
     ]
-    assert report.ladder[2].reason == "'model' was confirmed faster and holds its work"
+    assert report.ladder[2].reason == HOLDS_ITS_WORK.format("model")
+    assert "Trainer(strategy='cudagraph')" in report.ladder[-1].reason
     assert (report.stage, report.level, report.scopes["model"]) == (Stage.REPLAYING, "model", ["model"])
-    assert [region.name for region in backend.regions if region.replays > 0][-1:] == ["model"]
+    assert [region.name for region in backend.regions] == ["model"], "one level captured: the model's submodule"
     assert_losses_close(eager.losses, run.losses, 1e-5)
     assert max_param_diff(parameters_of(eager.model), parameters_of(run.model)) < 1e-5
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
 
 
-def test_through_the_strategy_the_climb_goes_from_attention_to_the_whole_step():
-    backend = timed()
+def test_a_level_not_faster_than_eager_by_the_margin_hands_over_to_the_next_narrower_one(tmp_path):
+    # The model level is a near tie with eager training: timed as a close call, then layers go next, and pay.
+    backend = timed(model=NOT_FASTER)
     eager = fit(*decoder(TINY), STEPS, **CPU)
+    callback = auto_callback(backend)
+    run = fit(*decoder(TINY), STEPS, [callback], logger=CSVLogger(tmp_path), log_every_n_steps=1, **CPU)
+
+    report = callback.report
+    assert ladder(report) == [
+        ("attn", "skipped"),
+        ("attn+mlp", "skipped"),
+        ("layer", "kept"),
+        ("model", "slower"),
+        ("full_iteration", "skipped"),
+    ]
+    assert report.ladder[1].reason == HOLDS_ITS_WORK.format("layer")
+    assert report.ladder[1].steps == 0 and report.ladder[1].capture_ms == 0, "a narrower level was never tried"
+    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
+    assert [report.ladder[i].step_ms for i in (3, 2)] == [NOT_FASTER, LEVEL_MS["layer"]]
+    assert report.ladder[3].steps >= 1 + MAX_MEASURE_STEPS, "a call within the margin is timed longer"
+    assert report.ladder[2].steps <= STEPS_PER_LEVEL, "a clear call is decided on its first window"
+    assert report.capture_ms_total >= sum(row.capture_ms for row in report.ladder) > 0
+    assert backend.pools == 2, "each level tried captures into a pool of its own"
+    assert_losses_close(eager.losses, run.losses, 1e-5)
+    assert patched_forwards(run.model) == [] and backend.live_graphs == 0
+    with open(f"{run.trainer.logger.log_dir}/metrics.csv") as handle:
+        levels = [float(row["cudagraph/level"]) for row in csv.DictReader(handle) if row.get("cudagraph/level")]
+    assert levels[0] == 3.5 and levels[-1] == 3.0 and set(levels) == {3.5, 3.0}, "cudagraph/level follows the walk"
+
+
+@pytest.mark.parametrize("narrower", ["faster_within_the_margin", "slower"])
+def test_a_near_tie_settles_on_the_wider_level(narrower):
+    # The model level within the margin of the whole step, either way: the wider level stays, the narrower is not tried.
+    whole = LEVEL_MS["full_iteration"]
+    near = whole * (1 - MARGIN / 2) if narrower == "faster_within_the_margin" else whole * (1 + MARGIN / 2)
+    backend = timed(model=near)
     run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
 
     report = graph_callback(run.trainer).report
-    assert ladder(report) == [
-        ("attn", "slower"),
-        ("attn+mlp", "skipped"),
-        ("layer", "skipped"),
-        ("model", "skipped"),
-        ("full_iteration", "kept"),
-    ]
-    assert backend.pools == 2, "two levels tried: attention, then the whole step"
-    assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration")
-    assert backend.step_graphs and backend.step_graphs[-1].replays > 0
-    assert_losses_close(eager.losses, run.losses, 1e-5)
-    assert all(optimizer.restored for optimizer in backend.optimizers)
+    assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration"), report.ladder
+    assert dict(ladder(report))["model"] == "skipped" and backend.regions == []
 
 
 class StageAtStart(pl.Callback):
@@ -199,11 +251,12 @@ def test_confirming_steps_do_not_count_towards_a_levels_time(confirm_steps):
     fit(*decoder(TINY), STEPS + 5 * confirm_steps, [callback, probe], **CPU)
 
     report = callback.report
-    assert [report.ladder[i].step_ms for i in (0, 2)] == [LEVEL_MS["attn"], LEVEL_MS["layer"]]
+    assert [report.ladder[i].step_ms for i in (3, 2)] == [NOT_FASTER, LEVEL_MS["layer"]]
     assert report.level == "layer"
-    # Each timed level spent its capture step, its confirming steps, then the steps it timed.
+    # Each timed level spent its confirming steps (its capture step the first of them), then the steps it timed.
     timed_levels = [row for row in report.ladder if row.status in ("kept", "slower")]
-    assert all(row.steps >= 1 + confirm_steps + MEASURE_STEPS for row in timed_levels), report.ladder
+    assert [row.level for row in timed_levels] == ["layer", "model"]
+    assert all(row.steps >= confirm_steps + MEASURE_STEPS for row in timed_levels), report.ladder
 
 
 class StagesAtEnd(pl.Callback):
@@ -231,20 +284,36 @@ def test_a_short_fit_captures_right_after_warmup_and_a_long_one_times_eager_step
     assert callback.report.eager_step_ms > 0
 
 
-def test_wider_levels_within_the_margin_are_not_kept_and_training_goes_back_to_the_best():
-    close = LEVEL_MS["attn"] * (1 - MARGIN / 2)  # faster than attn, but by less than the margin
-    backend = timed(layer=close, model=close, **{"attn+mlp": close})
-    callback = auto_callback(backend)
-    fit(*decoder(TINY), STEPS, [callback], **CPU)
+class SettledAt(pl.Callback):
+    """The number of training steps that ran before ``scope="auto"`` settled (``None`` while it has not)."""
 
-    report = callback.report
-    assert ladder(report)[:4] == [("attn", "kept"), ("attn+mlp", "slower"), ("layer", "slower"), ("model", "slower")]
-    assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
-    steps = [row.steps for row in report.ladder[:3]]
-    clear = WARMUP + REFERENCE_STEPS + 1 + MEASURE_STEPS + 1
-    assert steps[0] <= clear, "a clear call is decided on a few steps (warmup and the eager reference counted)"
-    assert steps[2] >= 1 + MAX_MEASURE_STEPS, "a call within the margin is timed longer"
-    assert level_of_last_capture(backend) == "attn", "the best level is captured again"
+    settled_at: int | None = None
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if self.settled_at is None and graph_callback(trainer).rollout.climb.ladder.settled:
+            self.settled_at = trainer.global_step
+
+
+@pytest.mark.parametrize("through", ["strategy", "callback"])
+def test_a_fit_settles_on_its_first_level_within_the_steps_that_level_needs(through):
+    # The widest level, far faster than eager training: its warmup steps (and a scoped level's eager reference steps,
+    # as its warmup steps record every call), its confirming steps and one window of timed steps; nothing more.
+    backend, probe = timed(), SettledAt()
+    if through == "strategy":
+        strategy = auto_strategy(backend)
+        config, reference = strategy.cudagraph_config, 0
+        run = fit(*decoder(TINY), STEPS, [probe], strategy=strategy, **CPU)
+    else:
+        callback = auto_callback(backend)
+        config, reference = callback.config, REFERENCE_STEPS
+        run = fit(*decoder(TINY), STEPS, [callback, probe], **CPU)
+
+    report = graph_callback(run.trainer).report
+    first = "full_iteration" if through == "strategy" else "model"
+    assert (report.stage, report.level) == (Stage.REPLAYING, first), report.ladder
+    needed = config.warmup_steps + reference + config.confirm_steps + MEASURE_STEPS
+    assert probe.settled_at is not None and probe.settled_at <= needed, (probe.settled_at, needed)
+    assert report.eager_step_ms == LEVEL_MS["eager"]
 
 
 def level_of_last_capture(backend: FakeBackend) -> str:
@@ -254,7 +323,7 @@ def level_of_last_capture(backend: FakeBackend) -> str:
     return "layer" if re.fullmatch(r"model\.blocks\.\d+", last) else "attn+mlp" if last.endswith(".mlp") else "attn"
 
 
-def test_when_the_widest_level_fails_the_climb_goes_down_to_the_next_narrower_one():
+def test_when_the_widest_level_fails_the_walk_goes_down_to_the_next_narrower_one():
     backend = timed()
     backend.fail_step = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
     with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed .*tries 'model' next"):
@@ -262,16 +331,46 @@ def test_when_the_widest_level_fails_the_climb_goes_down_to_the_next_narrower_on
 
     report = graph_callback(run.trainer).report
     assert ladder(report) == [
-        ("attn", "slower"),
+        ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
         ("model", "kept"),
         ("full_iteration", "failed"),
     ]
+    assert report.ladder[2].reason == HOLDS_ITS_WORK.format("model")
+    assert report.eager_step_ms == LEVEL_MS["eager"], "the whole step's warmup steps gave the eager baseline"
     assert report.ladder[-1].reason.startswith("capture_failed: RuntimeError: Cannot copy")
     assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "model", 0)
     assert level_of_last_capture(backend) == "model"
     assert all(optimizer.restored for optimizer in backend.optimizers)
+
+
+def test_a_settled_whole_step_that_steps_down_times_the_level_below_it_instead_of_assuming_it():
+    # The walk settled on the whole step at once, so the model level was never timed. When an epoch changes the
+    # step's Python, the whole step steps down to it: it is tried and timed, does not pay, and layers are kept instead.
+    from tests.test_step_python import Flagged, FlipFlagAtEpochFour
+
+    steps = 8 * TINY_DATA["train_samples"] // TINY_DATA["batch_size"]  # eight epochs: the flip comes at the fifth
+    with pytest.warns(UserWarning, match="whole step of scope='auto' can no longer hold .* goes down to 'model'"):
+        run = fit(
+            *decoder(TINY, Flagged, **TINY_DATA),
+            steps,
+            [FlipFlagAtEpochFour()],
+            strategy=auto_strategy(timed(model=NOT_FASTER)),
+            **CPU,
+        )
+
+    report = graph_callback(run.trainer).report
+    assert ladder(report) == [
+        ("attn", "skipped"),
+        ("attn+mlp", "skipped"),
+        ("layer", "kept"),
+        ("model", "slower"),
+        ("full_iteration", "failed"),
+    ]
+    assert report.ladder[-1].reason.startswith("step_python"), report.ladder[-1].reason
+    assert report.ladder[3].step_ms == NOT_FASTER, "timed after the step down, not taken as kept"
+    assert (report.stage, report.level, report.rollbacks) == (Stage.REPLAYING, "layer", 0)
 
 
 def test_no_level_faster_than_eager_turns_graphs_off_and_training_goes_on():
@@ -288,16 +387,18 @@ def test_no_level_faster_than_eager_turns_graphs_off_and_training_goes_on():
     assert patched_forwards(run.model) == [] and backend.live_graphs == 0
 
 
-def test_a_level_between_over_the_memory_budget_ends_the_climb_on_the_best_level_before_it():
-    backend = timed(layer=7.9, model=7.9)  # a MiB per region: attn 2, attn+mlp 4, layer 2, model 1; none faster
+def test_a_level_over_the_memory_budget_hands_over_to_the_next_narrower_one():
+    # A MiB per region: attn 2, attn+mlp 4, layer 2, model 1. The model and layer levels do not pay.
+    backend = timed(layer=NOT_FASTER, model=NOT_FASTER)
     callback = auto_callback(backend, max_pool_mib=3)
-    with pytest.warns(UserWarning, match="level 'attn\\+mlp' of scope='auto' failed .*goes back to 'attn'"):
+    with pytest.warns(UserWarning, match="level 'attn\\+mlp' of scope='auto' failed .*tries 'attn' next"):
         fit(*decoder(TINY), STEPS, [callback], **CPU)
 
     report = callback.report
     assert ladder(report)[:4] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "slower"), ("model", "slower")]
     assert report.ladder[1].reason.startswith("memory_budget")
     assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
+    assert level_of_last_capture(backend) == "attn"
 
 
 # ---------------------------------------------------------------------------------------------- narrowing
@@ -319,7 +420,7 @@ def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
     assert report.rollbacks == 0 and report.stage == Stage.REPLAYING
     parts = {f"{layer}.{part}" for layer in layers for part in ("attn", "moe.router")}
     assert parts <= {region.name for region in backend.regions}, "the parts were captured in place of the layers"
-    assert ladder(report)[:4] == [("attn", "slower"), ("attn+mlp", "skipped"), ("layer", "kept"), ("model", "failed")]
+    assert ladder(report)[:4] == [("attn", "skipped"), ("attn+mlp", "skipped"), ("layer", "kept"), ("model", "failed")]
     assert report.ladder[2].step_ms == LEVEL_MS["attn+mlp"], "the layer level runs its layers' dense parts"
     first_layer_pass = len(backend.warmup_iters_per_pass) - 1 - TINY["n_layer"]
     assert backend.warmup_iters_per_pass[first_layer_pass:] == [0] * (1 + TINY["n_layer"]), (
@@ -331,10 +432,10 @@ def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
 
 
 def test_a_level_that_narrows_to_the_regions_of_one_timed_before_is_not_timed_again():
-    # Through the strategy the whole step fails first (the experts' host copy); layer, every layer narrowed to its
-    # dense parts, is timed and does not pay; attn+mlp would capture the same regions.
+    # Through the strategy the whole step fails first (the experts' host copy), then the model level; layer, every
+    # layer narrowed to its dense parts, is timed and does not pay; attn+mlp would capture the same regions.
     error = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
-    backend = timed(**{"attn+mlp": 7.9})
+    backend = timed(**{"attn+mlp": NOT_FASTER})
     backend.fail_step = error
     backend.fail_regions = dict.fromkeys([f"model.blocks.{i}" for i in range(TINY["n_layer"])], error)
     with pytest.warns(UserWarning, match="level 'full_iteration' of scope='auto' failed"):
@@ -385,46 +486,88 @@ def _four_levels() -> tuple[Ladder, CUDAGraphReport]:
     return ladder, report
 
 
-def test_the_walk_tries_the_narrowest_then_widens_fully_then_narrows_step_by_step():
+def test_the_walk_tries_the_widest_level_first_then_each_narrower_one_until_one_pays():
     ladder, report = _four_levels()
-    assert [level.name for level in ladder.to_try] == ["attn", "full_iteration", "layer", "attn+mlp"]
-    assert ladder.measured(8.0).name == "full_iteration"
-    assert ladder.measured(7.9).name == "layer", "within the margin of attn: narrow by one"
+    assert [level.name for level in ladder.to_try] == ["full_iteration", "layer", "attn+mlp", "attn"]
+    assert ladder.current is not None and ladder.current.name == "full_iteration"
+    assert ladder.measured(9.8).name == "layer", "not faster than eager training by the margin: narrow by one"
     assert ladder.failed("capture_failed: a host sync").name == "attn+mlp", "a failure hands over to the next one"
-    assert ladder.measured(6.0) is None, "the last level, kept: stay"
+    assert ladder.measured(6.0) is None, "kept: stay"
     assert ladder.settled and report.level == "attn+mlp"
     assert [(row.level, row.status) for row in report.ladder] == [
-        ("attn", "slower"),
+        ("attn", "skipped"),
         ("attn+mlp", "kept"),
         ("layer", "failed"),
         ("full_iteration", "slower"),
     ]
+    assert report.ladder[0].reason == HOLDS_ITS_WORK.format("attn+mlp")
 
 
-def test_the_first_level_failing_hands_over_to_the_widest_and_the_last_to_eager():
+def test_each_level_failing_hands_over_to_the_next_narrower_one_and_the_last_to_eager():
     ladder, report = _four_levels()
-    assert ladder.failed("shape_unstable").name == "full_iteration"
-    assert not ladder.settled
     assert ladder.failed("capture_failed").name == "layer"
+    assert not ladder.settled
     assert ladder.failed("capture_failed").name == "attn+mlp"
+    assert ladder.failed("shape_unstable").name == "attn"
     assert ladder.failed("parity") is EAGER
     assert ladder.settled and report.level is None
     assert [row.status for row in report.ladder] == ["failed"] * 4
 
 
-def test_the_last_level_failing_goes_back_to_the_best_one():
+def test_the_widest_level_kept_ends_the_walk_whatever_the_narrower_ones_would_time():
     ladder, report = _four_levels()
-    ladder.measured(8.0)
-    ladder.measured(9.0)
-    ladder.measured(9.0)
-    assert ladder.failed("memory_budget").name == "attn"
-    assert report.level == "attn"
+    assert ladder.measured(10.0 * (1 - MARGIN) * 0.99) is None, "faster than eager by the margin: settled at once"
+    assert ladder.settled and report.level == "full_iteration"
+    assert [row.status for row in report.ladder] == ["skipped", "skipped", "skipped", "kept"]
+    assert all(row.reason == HOLDS_ITS_WORK.format("full_iteration") for row in report.ladder[:3])
+
+
+def _settled_on_the_whole_step() -> tuple[Ladder, CUDAGraphReport]:
+    report = CUDAGraphReport()
+    ladder = Ladder([Level(name) for name in ("attn", "layer", "model", "full_iteration")], report)
+    ladder.eager_ms = 10.0
+    assert ladder.measured(2.0) is None and ladder.settled
+    return ladder, report
+
+
+def test_a_settled_whole_step_that_steps_down_tries_and_times_the_widest_level_below_it():
+    ladder, report = _settled_on_the_whole_step()
+    level = ladder.step_down("step_python: training_step changed at an epoch")
+    assert level is not None and level.name == "model"
+    assert not ladder.settled, "never timed: the walk goes on from it"
+    assert (ladder.row.level, ladder.row.status, ladder.row.reason) == ("model", "planned", None)
+    assert ladder.best_ms != ladder.best_ms and report.level is None, "the whole step's time no longer counts"
+    assert ladder.measured(3.0) is None and ladder.settled and report.level == "model"
+    assert [(row.level, row.status) for row in report.ladder] == [
+        ("attn", "skipped"),
+        ("layer", "skipped"),
+        ("model", "kept"),
+        ("full_iteration", "failed"),
+    ]
+    assert report.ladder[1].reason == HOLDS_ITS_WORK.format("model")
+
+
+def test_a_level_stepped_down_to_that_does_not_pay_hands_over_to_the_narrower_ones():
+    ladder, report = _settled_on_the_whole_step()
+    assert ladder.step_down("skipped_step: a batch skipped at capture").name == "model"
+    assert ladder.measured(9.9).name == "layer", "not faster than eager training: not assumed to be"
+    assert ladder.failed("capture_failed").name == "attn"
+    assert ladder.measured(9.9) is EAGER
+    assert [row.status for row in report.ladder] == ["slower", "failed", "slower", "failed"]
+
+
+def test_only_a_median_far_slower_than_the_bar_is_timed_over_a_second_window():
+    ladder, _ = _four_levels()
+    bar = 10.0 * (1 - MARGIN)
+    assert ladder.far_slower(bar * FAR), "a slow stretch may have made it look slow: time it again"
+    assert not ladder.far_slower(bar * FAR * 0.99)
+    assert not ladder.far_slower(bar / FAR / 2), "far faster: decided at once"
 
 
 def test_a_median_near_the_bar_is_timed_longer_when_its_steps_are_noisy_and_a_clear_one_is_not():
     ladder = Ladder([Level("attn"), Level("layer")], CUDAGraphReport())
     ladder.eager_ms = 20.0
-    ladder.measured(10.0)  # attn is kept: layer must beat 10 ms by the margin
+    ladder.measured(10.0)  # layer is kept: the bar is its time, less the margin
     bar = 10.0 * (1 - MARGIN)
     assert ladder.close_call(bar * 1.01), "within the margin of the bar"
     assert not ladder.close_call(bar * 0.8, spread=1.3), "clear of the bar by more than the noise"
@@ -499,38 +642,29 @@ class _Cache:
         return f"Cache(layers={len(self.layers)})"
 
 
-class _CachedAttention(torch.nn.Module):
-    def __init__(self, attn: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = attn
-
-    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+class _CachedNet(Decoder):
+    def forward(self, idx: torch.Tensor, cache: _Cache) -> torch.Tensor:  # type: ignore[override]
         cache.layers.append(None)
-        return self.inner(x)
+        return super().forward(idx)
 
 
 class _CachedDecoder(DecoderModule):
-    """Attention takes a cache object made anew by every forward, as GPT-2 does with its default ``use_cache=True``."""
+    """The network takes a cache object made anew by every forward, as GPT-2 does by default (``use_cache=True``)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        for block in self.model.blocks:
-            block.attn = _CachedAttention(block.attn)
+        self.model.__class__ = _CachedNet  # the same modules and parameters: it trains as DecoderModule does
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        net, cache = self.model, _Cache()
-        x = net.drop(net.tok_emb(idx) + net.pos_emb(net.positions[: idx.shape[1]]))
-        for block in net.blocks:
-            x = x + block.attn(block.ln1(x), cache)
-            x = x + block.mlp(block.ln2(x))
-        return net.head(net.ln_f(x))
+        return self.model(idx, _Cache())
 
 
-def test_a_level_whose_shapes_never_settle_hands_over_and_the_climb_reaches_the_whole_step():
+def test_a_level_whose_shapes_never_settle_hands_over_to_the_next_narrower_one():
     eager = fit(*decoder(TINY, _CachedDecoder), STEPS, **CPU)
-    run = fit(*decoder(TINY, _CachedDecoder), STEPS, strategy=auto_strategy(timed()), **CPU)
-    report = graph_callback(run.trainer).report
+    callback = auto_callback(timed())
+    run = fit(*decoder(TINY, _CachedDecoder), STEPS, [callback], **CPU)
+    report = callback.report
     rows = dict(ladder(report))
-    assert rows["attn"] == "failed" and "shape_unstable" in report.ladder[0].reason, report.ladder
-    assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration"), report.ladder
+    assert rows["model"] == "failed" and "shape_unstable" in report.ladder[3].reason, report.ladder
+    assert (report.stage, report.level, rows["attn"]) == (Stage.REPLAYING, "layer", "skipped"), report.ladder
     assert_losses_close(eager.losses, run.losses, 1e-5)

@@ -78,8 +78,9 @@ OPTIONS: tuple[Option, ...] = (
         "scope",
         "str | Sequence[str]",
         AUTO,
-        '``"auto"`` (try the levels ``attn``, ``attn+mlp``, ``layer``, ``model`` and, with one of the package\'s'
-        " strategies, the whole step; keep the fastest that works), or a list from"
+        '``"auto"`` (try the levels from the widest down: with one of the package\'s strategies the whole step,'
+        " then ``model``, ``layer``, ``attn+mlp`` and ``attn``; keep the first that works and is faster than eager"
+        " training), or a list from"
         " ``full_iteration, attn, mlp, moe, moe_router, moe_preprocess, mamba, layer`` and the keys of ``modules`` (a"
         " comma-separated"
         ' string works too: ``"attn,mlp"``). ``full_iteration`` captures the whole training step and needs'

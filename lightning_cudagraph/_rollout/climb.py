@@ -73,25 +73,34 @@ class Climb:
         return self._running
 
     def attach(self, trainer: pl.Trainer, backend: CaptureBackend, machine: StageMachine, make: DriverFactory) -> None:
-        """Start on the first level: its driver runs the warmup steps (recording every scoped level's targets)."""
+        """Start on the first level: its driver runs the warmup steps (a scoped one records every scoped level's calls).
+
+        The whole step, the widest level, goes first where it may be tried: it waits for the eager steps it needs
+        (NCCL's under DDP), and its warmup steps record nothing: they give the eager baseline, no reference steps run.
+        """
         level = self.ladder.current
         if level is None:
             raise RuntimeError("a ladder with no level to try has nothing to attach (the rollout turns graphs off)")
         steps, level_run = FitSteps(backend.timer(), self.report), LevelRun(backend.timer(), 0.0)
         # Held before the first driver is built: release frees the factory even when building that driver raised.
         self._running = RunningFit(trainer, backend, machine, make, steps, level_run)
-        self.driver = make(level, _level_settings(self.ladder, self.settings), self._note_eager_baseline)
+        settings = self.settings
+        if level.whole_step:
+            eager_steps = max(settings.first_eager_steps, eager_steps_before_whole_step(trainer))
+            settings = replace(settings, first_eager_steps=eager_steps)
+        self.driver = make(level, _level_settings(self.ladder, settings), self._note_eager_baseline)
         self.reference.driver_built(self.driver)
-        if not self.ladder.settled:
+        if not self.ladder.settled and not level.whole_step:  # warmup steps that record run slower than eager training
             self.reference.before_first_capture(backend.timer())
         machine.on_level_failure = self._level_failed
+        self.ladder.started = True
         self._enter(level)
 
     def train_started(self, trainer: pl.Trainer, confirm_steps: int) -> None:
         """Training starts on the backend's stream, eagerly; its length is known now (a short one has no references)."""
         self._fit.backend.enter()
         self.driver.start(trainer)
-        self.reference.fit_length_known(trainer, self.settings.first_eager_steps, confirm_steps)
+        self.reference.fit_length_known(trainer, self.driver.settings.first_eager_steps, confirm_steps)
 
     # ------------------------------------------------------------------ per step (no host sync)
     def batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
@@ -149,7 +158,11 @@ class Climb:
 
     # ------------------------------------------------------------------ decisions
     def _time_or_decide(self) -> None:
-        """Decide on the steps timed so far (one host sync), or time a close or far call over more steps."""
+        """Decide on the steps timed so far (one host sync), or time a close or far slower call over more steps.
+
+        A clear call, far faster than the bar included, is decided on the first window: only a level that might be
+        dropped for a slow stretch or for noise near the bar is timed longer.
+        """
         fit = self._fit
         run = fit.level
         same = self.ladder.same_regions(self.driver.captured_regions()) if not run.times else None
@@ -162,7 +175,7 @@ class Climb:
         step_ms, spread = fit.machine.agreement.slowest(median(run.times), spread)
         if run.earlier:  # a slow stretch does not last two windows: the faster one counts
             step_ms = min(step_ms, *run.earlier)
-        elif self.ladder.far(step_ms):
+        elif self.ladder.far_slower(step_ms):
             run.time_again(MEASURE_STEPS, step_ms)
             return
         if len(run.times) < MAX_MEASURE_STEPS and self.ladder.close_call(step_ms, spread):

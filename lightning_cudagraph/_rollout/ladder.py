@@ -1,11 +1,12 @@
 """The decisions of the ladder: which level is on, which was best, where to go next. Pure bookkeeping.
 
 A fixed scope is a one-level ladder: settled from the start, untimed, with no rows in the report. Under
-``scope="auto"`` the walk tries the narrowest level first (it confirms that graphs work on the model at all), then the
-widest down: every level tried costs a capture and steps on slower graphs, so once a level is confirmed faster, the
-narrower ones (whose work it holds in fewer launches) are skipped. A level that fails or does not pay hands over to
-the next; with none left, training settles on the best level tried, or on eager training. The eager baseline and the
-best time live here; the report only mirrors them.
+``scope="auto"`` the walk tries the widest level that preflight did not refuse first (the whole step, where a strategy
+owns it), then each narrower one, only while the levels before it failed or were not faster than eager training by the
+margin. Every level tried costs a capture and steps on slower graphs, and a wider level holds the work of the narrower
+ones in fewer launches: so the first level confirmed faster is settled on, the narrower ones are skipped, and a near
+tie goes to the wider level. With no level left, training settles on eager training. The eager baseline and the best
+time live here; the report only mirrors them.
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ __all__ = [
     "reference_steps",
 ]
 
-#: A level is kept only if its median step time is this much below the best so far (eager training to start with):
-#: medians of a few replayed steps on the H200 scatter by 1-4% for scoped graphs.
+#: A level is kept only if its median step time is this much below eager training's, or below the level kept before
+#: it, if any (a narrower level does not replace a wider one on a near tie): medians of a few replayed steps on the
+#: H200 scatter by 1-4% for scoped graphs.
 MARGIN = 0.05
 #: Steps timed per level once its graphs are confirmed (confirming steps run parity checks). Their median decides a
 #: clear call (two slow steps do not move it); a close call is timed over up to :data:`MAX_MEASURE_STEPS`.
 MEASURE_STEPS = 5
 MAX_MEASURE_STEPS = 11
-#: A level whose median is this far from the bar (slower or faster, as a ratio) is timed over a second window.
+#: A level whose median is this far above the bar (as a ratio) is timed over a second window: a slow stretch of the
+#: host does not last two windows. A median this far below it is decided at once, as is any clear call: noise only
+#: slows steps, and the steady-state check times the level kept against eager training anyway.
 FAR = 1.3
 #: Eager steps timed for the reference right before the first capture: they record nothing, unlike warmup steps,
 #: which record every target call and run slower than eager training.
@@ -74,12 +78,21 @@ class Ladder:
         >>> report = CUDAGraphReport()
         >>> ladder = Ladder([Level("attn"), Level("layer")], report)
         >>> ladder.eager_ms = 20.0
-        >>> ladder.measured(10.0).name  # attn pays: keep it as the best, try layer
+        >>> ladder.current.name  # the widest level goes first
         'layer'
-        >>> ladder.measured(9.9).name  # layer is within the margin: back to attn
+        >>> ladder.measured(19.5).name  # not faster than eager training by the margin: the next narrower level
         'attn'
+        >>> ladder.measured(10.0) is None, ladder.settled  # attn pays, and training is on it: stay
+        (True, True)
         >>> [(row.level, row.status) for row in report.ladder], ladder.best_ms
         ([('attn', 'kept'), ('layer', 'slower')], 10.0)
+
+        The first level kept is settled on; the narrower ones hold less of its work and are not tried:
+
+        >>> wide = Ladder([Level("attn"), Level("layer")], CUDAGraphReport())
+        >>> wide.eager_ms = 20.0
+        >>> wide.measured(10.0) is None, [(row.level, row.status) for row in wide.rows]
+        (True, [('attn', 'skipped'), ('layer', 'kept')])
     """
 
     def __init__(self, levels: Sequence[Level], report: CUDAGraphReport, climbs: bool = True) -> None:
@@ -104,6 +117,8 @@ class Ladder:
         self.steady_eager_ms = math.nan
         self._regions: dict[str, frozenset[str]] = {}
         self.settled = not self._levels or not climbs
+        #: Whether training is on :attr:`current` (a driver runs it); before, a level is left out with :meth:`skip`.
+        self.started = False
 
     @property
     def current(self) -> Level | None:
@@ -112,7 +127,7 @@ class Ladder:
 
     @property
     def to_try(self) -> list[Level]:
-        """The levels the walk may try, in the order it tries them (it stops at the first one kept after the first)."""
+        """The levels the walk may try, in the order it tries them, widest first (it stops at the first one kept)."""
         return list(self._walk)
 
     @property
@@ -138,10 +153,14 @@ class Ladder:
         bar = self._bar()
         return not math.isnan(bar) and abs(step_ms - bar) < max(bar * MARGIN, step_ms * (spread - 1) / 2)
 
-    def far(self, step_ms: float) -> bool:
-        """Whether ``step_ms`` is so far from the bar (by :data:`FAR`, either way) that a second window confirms it."""
+    def far_slower(self, step_ms: float) -> bool:
+        """Whether ``step_ms`` is so far above the bar (by :data:`FAR`) that a second window is timed before a drop.
+
+        A whole window slowed by the host (another process, clocks) would otherwise send the walk to a narrower level
+        for good. A median far below the bar needs no second window: a slow stretch cannot make a level look faster.
+        """
         bar = self._bar()
-        return not math.isnan(bar) and bar > 0 and not 1 / FAR < step_ms / bar < FAR
+        return not math.isnan(bar) and bar > 0 and step_ms / bar >= FAR
 
     def checked(self, step_ms: float, eager_ms: float = math.nan) -> bool:
         """Whether the settled level beats eager steps timed beside it (``nan``: the reference); else none is kept."""
@@ -175,7 +194,10 @@ class Ladder:
         return self._next()
 
     def measured(self, step_ms: float) -> Level | None:
-        """The current level is confirmed and timed: the level to move to next, ``None`` to stay, or :data:`EAGER`."""
+        """The current level is confirmed and timed: the level to move to next, ``None`` to stay, or :data:`EAGER`.
+
+        A level faster than the bar by the margin is kept, and the walk settles on it.
+        """
         row = self.row
         row.step_ms = step_ms
         bar = self._bar()
@@ -189,12 +211,12 @@ class Ladder:
         return self._next()
 
     def _bar(self) -> float:
-        """The time to beat by the margin: the best level's, or eager training's while none was kept."""
+        """The time to beat by the margin: eager training's while no level was kept, else the (wider) level kept."""
         return (self.best_ms if self._best is not None else self.eager_ms) * (1 - MARGIN)
 
     def _next(self) -> Level | None:
         best = self._best
-        if self._position > 0 and best is not None and best is self.current:  # narrower levels hold less of its work
+        if best is not None and best is self.current:  # the first level kept: the narrower ones hold less of its work
             for level in self._walk[self._position + 1 :]:
                 row = self._rows[level.name]
                 row.status, row.reason = "skipped", f"{best.name!r} was confirmed faster and holds its work"
@@ -219,20 +241,22 @@ class Ladder:
     def step_down(self, reason: str) -> Level | None:
         """The settled whole step failed for a reason the other levels do not have: the widest of them (``None``: none).
 
-        It is settled on, and checked against eager training as any level settled on is.
+        The walk settled on the whole step before timing any narrower level, so it goes on from that one as if the
+        whole step had failed on its way: the level is tried, confirmed and timed against eager training, and the
+        narrower ones follow while it fails or does not pay.
         """
         row = self.row
         row.status, row.reason = "failed", reason
         below = [level for level in self._walk[self._position + 1 :] if not level.whole_step]
         if not below:
             return None
-        level = below[0]
-        self._best, self.best_ms = level, self._rows[level.name].step_ms
-        self._position = self._walk.index(level)
-        self._rows[level.name].status = "kept"
-        self._rows[level.name].reason = "the whole step could no longer hold the step's Python"
-        self.report.level = level.name
-        return level
+        self._position = self._walk.index(below[0])
+        for level in self._walk[self._position :]:  # skipped for the whole step, which no longer holds their work
+            self._rows[level.name].status, self._rows[level.name].reason = "planned", None
+        self._best, self.best_ms = None, math.nan
+        self.settled = False
+        self.report.level = None
+        return below[0]
 
     def _settle(self) -> Level | None:
         self.settled = True

@@ -105,8 +105,8 @@ def _with_parts(targets: list[Target], parts: dict[str, tuple[Target, ...]]) -> 
 def _whole_step_problem(config: CUDAGraphConfig, trainer: pl.Trainer) -> str | None:
     """Under ``scope="auto"``: why the whole step cannot be one of the levels of this fit, or ``None``.
 
-    The rules of ``scope=["full_iteration"]`` apply, except the eager steps DDP needs: by the time the ladder
-    reaches the whole step, they have run.
+    The rules of ``scope=["full_iteration"]`` apply, except the eager steps DDP needs: the level runner makes the
+    whole step, the walk's first level, wait for them.
     """
     if not getattr(trainer.strategy, "supports_full_iteration", False):
         return "only the package's strategies capture the whole step: Trainer(strategy='cudagraph')"

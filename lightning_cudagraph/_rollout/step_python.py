@@ -119,10 +119,14 @@ class StepPython:
         self._leave_out_whole_step(machine, ladder)
 
     def _leave_out_whole_step(self, machine: StageMachine, ladder: Ladder) -> None:
-        """The whole step is rolled back where it is the level (fixed, or auto's current); else auto skips it."""
+        """The whole step is rolled back where training is on it (fixed, or auto's current); else auto skips it.
+
+        Under ``scope="auto"`` the whole step is the walk's first level: found before the walk starts (fit start:
+        optimizer step hooks), it is skipped like any level preflight refuses.
+        """
         reason = self.problem or ""
         level = ladder.current
-        if level is not None and level.whole_step:
+        if level is not None and level.whole_step and (ladder.started or not ladder.climbs):
             machine.rollback(reason)
         elif ladder.climbs and any(level.whole_step for level in ladder.to_try):
             ladder.skip(FULL_ITERATION, reason)

@@ -59,7 +59,7 @@ class LevelRun:
         capture_mark: The fit's capture time when the level began (its row gets the captures since).
         due: Steps timed (``measured``) before the decision.
         times: Their times, read so far (ms).
-        earlier: Medians of the level's earlier windows (a level far from the bar is timed twice).
+        earlier: Medians of the level's earlier windows (a level far slower than the bar is timed twice).
 
     Example:
         >>> run = LevelRun(StepTimer(use_cuda=False), capture_mark=0.0)
