@@ -72,7 +72,8 @@ def auto_strategy(backend: FakeBackend, **options) -> CUDAGraphStrategy:
     return strategy
 
 
-def ladder(report) -> list[tuple[str, str]]:
+def rows_of(report) -> list[tuple[str, str]]:
+    """The report's ladder rows as ``(level, status)``."""
     return [(row.level, row.status) for row in report.ladder]
 
 
@@ -116,7 +117,7 @@ def test_through_the_strategy_the_walk_tries_the_whole_step_first_and_settles_on
     run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
 
     report = graph_callback(run.trainer).report
-    assert ladder(report) == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
@@ -150,7 +151,7 @@ def test_a_whole_step_refused_by_preflight_starts_the_walk_at_the_widest_level_l
     run = fit(*decoder(TINY, _HookedModel), STEPS, strategy=auto_strategy(backend), **CPU)
 
     report = graph_callback(run.trainer).report
-    assert ladder(report) == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
@@ -171,7 +172,7 @@ def test_the_callback_tries_the_models_submodules_first_with_the_loss_and_optimi
     run = fit(*decoder(TINY), STEPS, [callback], **CPU)
 
     report = callback.report
-    assert ladder(report) == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
@@ -195,7 +196,7 @@ def test_a_level_not_faster_than_eager_by_the_margin_hands_over_to_the_next_narr
     run = fit(*decoder(TINY), STEPS, [callback], logger=CSVLogger(tmp_path), log_every_n_steps=1, **CPU)
 
     report = callback.report
-    assert ladder(report) == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "kept"),
@@ -227,7 +228,7 @@ def test_a_near_tie_settles_on_the_wider_level(narrower):
 
     report = graph_callback(run.trainer).report
     assert (report.stage, report.level) == (Stage.REPLAYING, "full_iteration"), report.ladder
-    assert dict(ladder(report))["model"] == "skipped" and backend.regions == []
+    assert dict(rows_of(report))["model"] == "skipped" and backend.regions == []
 
 
 class StageAtStart(pl.Callback):
@@ -330,7 +331,7 @@ def test_when_the_widest_level_fails_the_walk_goes_down_to_the_next_narrower_one
         run = fit(*decoder(TINY), STEPS, strategy=auto_strategy(backend), **CPU)
 
     report = graph_callback(run.trainer).report
-    assert ladder(report) == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "skipped"),
@@ -361,7 +362,7 @@ def test_a_settled_whole_step_that_steps_down_times_the_level_below_it_instead_o
         )
 
     report = graph_callback(run.trainer).report
-    assert ladder(report) == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("attn+mlp", "skipped"),
         ("layer", "kept"),
@@ -395,7 +396,7 @@ def test_a_level_over_the_memory_budget_hands_over_to_the_next_narrower_one():
         fit(*decoder(TINY), STEPS, [callback], **CPU)
 
     report = callback.report
-    assert ladder(report)[:4] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "slower"), ("model", "slower")]
+    assert rows_of(report)[:4] == [("attn", "kept"), ("attn+mlp", "failed"), ("layer", "slower"), ("model", "slower")]
     assert report.ladder[1].reason.startswith("memory_budget")
     assert (report.stage, report.level) == (Stage.REPLAYING, "attn")
     assert level_of_last_capture(backend) == "attn"
@@ -420,7 +421,7 @@ def test_a_layer_that_cannot_be_captured_gives_way_to_its_dense_parts():
     assert report.rollbacks == 0 and report.stage == Stage.REPLAYING
     parts = {f"{layer}.{part}" for layer in layers for part in ("attn", "moe.router")}
     assert parts <= {region.name for region in backend.regions}, "the parts were captured in place of the layers"
-    assert ladder(report)[:4] == [("attn", "skipped"), ("attn+mlp", "skipped"), ("layer", "kept"), ("model", "failed")]
+    assert rows_of(report)[:4] == [("attn", "skipped"), ("attn+mlp", "skipped"), ("layer", "kept"), ("model", "failed")]
     assert report.ladder[2].step_ms == LEVEL_MS["attn+mlp"], "the layer level runs its layers' dense parts"
     first_layer_pass = len(backend.warmup_iters_per_pass) - 1 - TINY["n_layer"]
     assert backend.warmup_iters_per_pass[first_layer_pass:] == [0] * (1 + TINY["n_layer"]), (
@@ -442,7 +443,7 @@ def test_a_level_that_narrows_to_the_regions_of_one_timed_before_is_not_timed_ag
         run = fit(*decoder(TINY, MoEDecoderModule), STEPS, strategy=auto_strategy(backend), **CPU)
 
     report = graph_callback(run.trainer).report
-    assert ladder(report) == [
+    assert rows_of(report) == [
         ("attn", "kept"),
         ("attn+mlp", "skipped"),
         ("layer", "slower"),
@@ -494,7 +495,7 @@ def test_the_walk_tries_the_widest_level_first_then_each_narrower_one_until_one_
     assert ladder.failed("capture_failed: a host sync").name == "attn+mlp", "a failure hands over to the next one"
     assert ladder.measured(6.0) is None, "kept: stay"
     assert ladder.settled and report.level == "attn+mlp"
-    assert [(row.level, row.status) for row in report.ladder] == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("attn+mlp", "kept"),
         ("layer", "failed"),
@@ -538,7 +539,7 @@ def test_a_settled_whole_step_that_steps_down_tries_and_times_the_widest_level_b
     assert (ladder.row.level, ladder.row.status, ladder.row.reason) == ("model", "planned", None)
     assert ladder.best_ms != ladder.best_ms and report.level is None, "the whole step's time no longer counts"
     assert ladder.measured(3.0) is None and ladder.settled and report.level == "model"
-    assert [(row.level, row.status) for row in report.ladder] == [
+    assert rows_of(report) == [
         ("attn", "skipped"),
         ("layer", "skipped"),
         ("model", "kept"),
@@ -664,7 +665,7 @@ def test_a_level_whose_shapes_never_settle_hands_over_to_the_next_narrower_one()
     callback = auto_callback(timed())
     run = fit(*decoder(TINY, _CachedDecoder), STEPS, [callback], **CPU)
     report = callback.report
-    rows = dict(ladder(report))
+    rows = dict(rows_of(report))
     assert rows["model"] == "failed" and "shape_unstable" in report.ladder[3].reason, report.ladder
     assert (report.stage, report.level, rows["attn"]) == (Stage.REPLAYING, "layer", "skipped"), report.ladder
     assert_losses_close(eager.losses, run.losses, 1e-5)
