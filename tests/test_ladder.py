@@ -669,3 +669,12 @@ def test_a_level_whose_shapes_never_settle_hands_over_to_the_next_narrower_one()
     assert rows["model"] == "failed" and "shape_unstable" in report.ladder[3].reason, report.ladder
     assert (report.stage, report.level, rows["attn"]) == (Stage.REPLAYING, "layer", "skipped"), report.ladder
     assert_losses_close(eager.losses, run.losses, 1e-5)
+
+
+def test_a_level_taken_out_after_the_walk_moved_on_leaves_training_on_its_level():
+    """The step's Python can rule the whole step out once training is on a narrower level (a guard, a re-check)."""
+    ladder, report = _four_levels()
+    assert ladder.measured(9.8).name == "layer"
+    ladder.skip("full_iteration", "step_python: temperature changed from 1.0 to 2.0")
+    assert ladder.current is not None and ladder.current.name == "layer"
+    assert ladder.measured(6.0) is None and ladder.settled and report.level == "layer"

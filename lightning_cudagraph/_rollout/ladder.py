@@ -136,9 +136,17 @@ class Ladder:
         return self._rows[self._walk[self._position].name]
 
     def skip(self, name: str, reason: str) -> None:
-        """Take a level out before the walk starts (a problem found once the optimizers exist)."""
+        """Take a level out (a problem found once the optimizers exist, or one the step's Python showed later).
+
+        Training stays on the level it is on: a level taken out before it moves the walk's position, not the level.
+        """
+        current = self.current
         self._levels = [level for level in self._levels if level.name != name]
         self._walk = walk_order(self._levels)
+        if current is not None and current in self._walk:
+            self._position = self._walk.index(current)
+        else:  # the current level itself: its place goes to the next one
+            self._position = min(self._position, max(len(self._walk) - 1, 0))
         row = self._rows.pop(name, None)
         if row is not None:
             row.status, row.reason = "skipped", reason
